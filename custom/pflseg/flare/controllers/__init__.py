@@ -1,0 +1,16 @@
+"""Server workflows, one per method (FedProx uses the FedAvg workflow)."""
+
+from pflseg.flare.controllers.centralized import CentralizedController
+from pflseg.flare.controllers.fedavg import FedAvgController
+from pflseg.flare.controllers.fedbn import FedBNController
+from pflseg.flare.controllers.local import LocalController
+
+CONTROLLERS = {
+    "fedavg": FedAvgController,
+    "fedprox": FedAvgController,
+    "fedbn": FedBNController,
+    "local": LocalController,
+    "centralized": CentralizedController,
+}
+
+__all__ = ["CONTROLLERS", "CentralizedController", "FedAvgController", "FedBNController", "LocalController"]

@@ -1,0 +1,59 @@
+"""FedAvg (McMahan et al., 2017): the n_k-weighted mean of client states.
+
+    w <- sum_k p_k w_k,   p_k = n_k / sum_j n_j
+
+Applied key by key over the full state (trainable parameters and normalisation buffers alike), so
+batch-norm running statistics are averaged too. Integer buffers (BN's ``num_batches_tracked``) are
+averaged in float and rounded back. See ../shared/reference/ALGORITHMS.md section 5.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+State = Mapping[str, torch.Tensor]
+
+
+def normalized_weights(weights: Sequence[float]) -> list[float]:
+    """Return ``weights / sum(weights)``; raise ValueError on negative, non-finite or all-zero weights."""
+    w = [float(x) for x in weights]
+    if not w:
+        raise ValueError("weights: need at least one client")
+    if any(not (x >= 0.0) or x == float("inf") for x in w):
+        raise ValueError(f"weights: every weight must be finite and >= 0, got {w}")
+    total = sum(w)
+    if total <= 0.0:
+        raise ValueError(f"weights: sum must be > 0, got {w}")
+    return [x / total for x in w]
+
+
+def weighted_average(states: Sequence[State], weights: Sequence[float], keys: Sequence[str] | None = None) -> dict:
+    """Weighted mean of ``states`` key by key.
+
+    Args:
+        states: K client states with the same keys and shapes.
+        weights: K non-negative weights (e.g. n_k); normalised here.
+        keys: keys to average (default: all keys of the first state).
+
+    Returns:
+        A new dict; inputs are never modified.
+    """
+    if len(states) != len(weights):
+        raise ValueError(f"states/weights: {len(states)} states but {len(weights)} weights")
+    p = normalized_weights(weights)
+    keys = list(states[0].keys()) if keys is None else list(keys)
+    out = {}
+    for key in keys:
+        ref = states[0][key]
+        for i, s in enumerate(states):
+            if key not in s:
+                raise KeyError(f"state {i} has no key '{key}'")
+            if s[key].shape != ref.shape:
+                raise ValueError(f"key '{key}': state {i} has shape {tuple(s[key].shape)}, state 0 {tuple(ref.shape)}")
+        acc = torch.zeros(ref.shape, dtype=torch.float64)
+        for pk, s in zip(p, states):
+            acc += pk * s[key].detach().to("cpu", torch.float64)
+        out[key] = acc.round().to(ref.dtype) if not ref.is_floating_point() else acc.to(ref.dtype)
+    return out

@@ -1,0 +1,142 @@
+"""`pflseg` command line: argument parsing only; the work lives in the modules it calls."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _data(args) -> int:
+    from pflseg import data
+
+    if args.data_cmd == "synth":
+        out = data.make_synthetic(args.out, task=args.task, n_sites=args.sites, seed=args.seed)
+        print(f"synthetic {args.task} data set with {args.sites} sites in {out}")
+    elif args.data_cmd == "index":
+        out = data.index_dataset(args.layout, args.root, args.out, seed=args.seed)
+        print(f"indexed {args.root} ({args.layout}) into {out}")
+    else:
+        problems = data.check_dataset(args.root)
+        for p in problems:
+            print(p)
+        print(f"{len(problems)} problem(s) in {args.root}")
+        return 1 if problems else 0
+    return 0
+
+
+def _jobs(args) -> int:
+    from pflseg.config import job_names
+    from pflseg.flare.jobs import export_job
+
+    for name in args.names or job_names():
+        print(export_job(name, args.out))
+    return 0
+
+
+def _run(args) -> int:
+    from pflseg.config import parse_set
+    from pflseg.eval.tables import dice_table
+    from pflseg.flare.jobs import export_job, run_simulator
+
+    overrides = parse_set(args.set)
+    if args.rounds:
+        overrides["rounds"] = args.rounds
+    if args.resume:
+        overrides["resume"] = True
+    overrides.setdefault("min_clients", min(args.sites, 2))
+    workspace = Path(args.workspace or f"runs/{args.job}")
+    job_dir = export_job(args.job, workspace / "job", overrides=overrides)
+    results = run_simulator(job_dir, workspace, n_sites=args.sites, threads=args.threads, data=args.data)
+    print(dice_table({args.job: results}))
+    if results["missing"]:
+        print(f"sites left out: {json.dumps(results['missing'])}")
+    return 0
+
+
+def _demo(args) -> int:
+    from pflseg.eval.demo import run_demo
+
+    print(run_demo(args.workspace, sites=args.sites, rounds=args.rounds, threads=args.threads))
+    return 0
+
+
+def _site(args) -> int:
+    target = Path(args.site_dir) / "local" / "pflseg_site.json"
+    settings = {"data": str(Path(args.data).resolve()), "device": args.device}
+    if args.data_site:
+        settings["data_site"] = args.data_site
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(settings, indent=1))
+    print(f"wrote {target}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pflseg", description="Personalized federated segmentation on NVIDIA FLARE")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    d = sub.add_parser("data", help="make, index and check data sets").add_subparsers(dest="data_cmd", required=True)
+    s = d.add_parser("synth", help="make a synthetic multi-site NIfTI data set")
+    s.add_argument("--out", required=True)
+    s.add_argument("--task", choices=["prostate", "fundus"], default="prostate")
+    s.add_argument("--sites", type=int, default=6)
+    s.add_argument("--seed", type=int, default=0)
+    i = d.add_parser("index", help="write per-site datalists for a real data layout")
+    i.add_argument("--layout", required=True)
+    i.add_argument("--root", required=True)
+    i.add_argument("--out", required=True)
+    i.add_argument("--seed", type=int, default=0)
+    c = d.add_parser("check", help="report every problem of a data set")
+    c.add_argument("root")
+    d.set_defaults(func=_data)
+
+    j = sub.add_parser("jobs", help="FLARE job folders").add_subparsers(dest="jobs_cmd", required=True)
+    e = j.add_parser("export", help="write jobs/<name>/ from app_configs/")
+    e.add_argument("names", nargs="*")
+    e.add_argument("--out", default="jobs")
+    j.set_defaults(func=_jobs)
+
+    r = sub.add_parser("run", help="run a job in the FLARE simulator")
+    r.add_argument("job")
+    r.add_argument("--sites", type=int, default=3)
+    r.add_argument("--rounds", type=int)
+    r.add_argument("--threads", type=int)
+    r.add_argument("--workspace")
+    r.add_argument("--data", help="data root (default: synthetic data made at each site)")
+    r.add_argument("--resume", action="store_true", help="continue from the last completed round")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. train.lr=0.0005")
+    r.set_defaults(func=_run)
+
+    m = sub.add_parser("demo", help="synthetic data + baselines in the simulator + per-site Dice table")
+    m.add_argument("--workspace", default="demo")
+    m.add_argument("--sites", type=int, default=3)
+    m.add_argument("--rounds", type=int, default=8)
+    m.add_argument("--threads", type=int)
+    m.set_defaults(func=_demo)
+
+    si = sub.add_parser("site", help="site-local configuration").add_subparsers(dest="site_cmd", required=True)
+    init = si.add_parser("init", help="write <site-dir>/local/pflseg_site.json (data location, device)")
+    init.add_argument("--data", required=True)
+    init.add_argument("--device", default="auto")
+    init.add_argument("--data-site", help="the site's folder name in the data root (default: FLARE site name)")
+    init.add_argument("--site-dir", default=".")
+    si.set_defaults(func=_site)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from pflseg.config import ConfigError
+    from pflseg.data import DataError
+
+    try:
+        return args.func(args)
+    except (ConfigError, DataError, FileNotFoundError, RuntimeError) as exc:
+        print(f"pflseg: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

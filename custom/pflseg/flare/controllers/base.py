@@ -1,0 +1,187 @@
+"""Shared machinery of pflseg's server workflows (FLARE ModelController).
+
+A method's controller implements ``round(r)``; this base gives it: the validated job config, one send per
+site with its own payload (``send_each``), update checks (NaN/Inf, shapes), min_clients, round
+checkpoints with resume, best-global tracking on validation Dice, the final validate + test phase and
+``results.json``. Everything the server keeps between rounds is in the checkpoint, so a stopped job
+resumes from its last completed round.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+from nvflare.app_common.workflows.model_controller import ModelController
+
+from pflseg.config import check_effective
+from pflseg.flare.state import RoundStore, load_file, prefixed, save_file, state_dir, unprefixed
+from pflseg.nets import build_net
+from pflseg.train.loop import seed_everything
+
+
+class RoundError(RuntimeError):
+    """Too few sites answered a task."""
+
+
+def check_update(site: str, params: dict, reference: dict, prefix: str = "global") -> str | None:
+    """Why a site's update cannot be used (unknown key, wrong shape, NaN/Inf), or None if it is fine."""
+    for key, value in params.items():
+        name = key.split(".", 1)[1] if key.startswith(prefix + ".") else None
+        if name is None or name not in reference:
+            return f"unexpected key '{key}'"
+        if not torch.is_tensor(value):
+            return f"'{key}' is {type(value).__name__}, not a tensor"
+        if tuple(value.shape) != tuple(reference[name].shape):
+            return f"'{key}' has shape {tuple(value.shape)}, expected {tuple(reference[name].shape)}"
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            return f"'{key}' contains NaN or Inf"
+    return None
+
+
+class RoundController(ModelController):
+    """Base of every pflseg workflow: ``run()`` = restore, rounds, final test, results."""
+
+    #: prefix of the global model in messages; "" for methods without one
+    def __init__(self, config: dict, task_check_period: float = 0.2):
+        super().__init__(persistor_id="", ignore_result_error=True, task_check_period=task_check_period)
+        self.config = config
+        self.task_check_period = task_check_period
+
+    # ---- the workflow ---------------------------------------------------------------------------
+    def run(self) -> None:
+        self.cfg = check_effective(self.config, "server job config")
+        self.sites = sorted(self.sample_clients())
+        if len(self.sites) < self.cfg["min_clients"]:
+            self.panic(f"{len(self.sites)} site(s) connected but min_clients={self.cfg['min_clients']}")
+            return
+        self.store = RoundStore(state_dir("server", self.cfg["name"]))
+        self.best_path = self.store.root / "best_global.pt"
+        self.missing: dict[str, str] = {}
+        start = self.restore()
+        for r in range(start, self.cfg["rounds"]):
+            t0 = time.time()
+            self.info(f"round {r + 1}/{self.cfg['rounds']}: sites {self.sites}")
+            try:
+                compute = self.round(r)
+            except RoundError as exc:
+                self.panic(str(exc))
+                return
+            if self.abort_signal.triggered:
+                return
+            wall = time.time() - t0
+            self.history.append({"round": r, "wall_seconds": wall, "site_compute_seconds": compute,
+                                 **self.round_metrics})
+            self.store.save(r, self.checkpoint(r))
+            self.info(f"round {r + 1} done in {wall:.2f} s (site compute max {max(compute.values(), default=0):.2f} s)")
+        self.finish()
+
+    def round(self, r: int) -> dict:
+        """Run round ``r``: send, collect, aggregate. Returns per-site compute seconds."""
+        raise NotImplementedError
+
+    # ---- state ----------------------------------------------------------------------------------
+    def initial_state(self) -> dict:
+        seed_everything(self.cfg["seed"])
+        return {k: v.detach().clone() for k, v in build_net(self.cfg["net"]).state_dict().items()}
+
+    def restore(self) -> int:
+        """Load the last completed round when resuming; else start fresh. Returns the first round to run."""
+        self.global_state = self.initial_state()
+        self.history, self.best = [], {"round": -1, "score": -1.0}
+        latest = self.store.latest()
+        if not self.cfg["resume"] or latest is None:
+            self.store.clear()
+            self.best_path.unlink(missing_ok=True)
+            return 0
+        ckpt = self.store.load(latest)
+        self.global_state.update(unprefixed("global", ckpt))
+        self.history, self.best = list(ckpt["history"]), dict(ckpt["best"])
+        self.info(f"resuming after round {latest + 1} from {self.store.path(latest)}")
+        return latest + 1
+
+    def checkpoint(self, r: int) -> dict:
+        return {"round": r, "history": self.history, "best": self.best, **prefixed("global", self.global_state)}
+
+    def track_best(self, r: int, results: dict[str, FLModel], state: dict) -> None:
+        """Keep the global model with the best n_k-weighted validation Dice (scored at the sites)."""
+        scores = [(res.metrics["val_dice"], res.meta.get("NUM_STEPS_CURRENT_ROUND", 1) or 1) for res in results.values()]
+        score = sum(s * n for s, n in scores) / sum(n for _, n in scores)
+        self.round_metrics = {"val_dice": {s: res.metrics["val_dice"] for s, res in results.items()}, "val_dice_mean": score}
+        if score > self.best["score"]:
+            self.best = {"round": r, "score": score}
+            save_file(self.best_path, {"round": r, "score": score, **prefixed("global", state)})
+
+    # ---- messaging ------------------------------------------------------------------------------
+    def message(self, r: int, params: dict | None = None, **meta) -> FLModel:
+        return FLModel(params=params or {}, params_type=ParamsType.FULL, current_round=r,
+                       total_rounds=self.cfg["rounds"], meta={"pflseg": self.cfg, "sites": self.sites, **meta})
+
+    def send_each(self, task: str, payloads: dict[str, FLModel], reference: dict | None = None) -> dict[str, FLModel]:
+        """Send each site its own payload; wait; return usable results by site (sorted).
+
+        A site that fails, times out, reports an error or sends an unusable update is named in the log and
+        in ``self.missing``; fewer than ``min_clients`` usable answers raise RoundError.
+        """
+        results: dict[str, FLModel] = {}
+
+        def collect(result: FLModel):
+            results[result.meta.get("client_name", "?")] = result
+
+        for site, data in payloads.items():
+            self.send_model(task_name=task, data=data, targets=[site], timeout=self.cfg["task_timeout"], callback=collect)
+        while self.get_num_standing_tasks():
+            if self.abort_signal.triggered:
+                return {}
+            time.sleep(self.task_check_period)
+        usable = {}
+        for site in sorted(payloads):
+            res = results.get(site)
+            reason = None
+            if res is None:
+                reason = "no result (site failed, disconnected or timed out)"
+            elif res.meta.get("pflseg_error"):
+                reason = res.meta["pflseg_error"]
+            elif reference is not None:
+                reason = check_update(site, res.params or {}, reference)
+            if reason:
+                self.error(f"{task}: site {site} left out of this round: {reason}")
+                self.missing[site] = reason
+            else:
+                usable[site] = res
+        need = min(self.cfg["min_clients"], len(payloads))
+        if len(usable) < need:
+            raise RoundError(
+                f"task '{task}': only {len(usable)} of {len(payloads)} site(s) answered usably, min_clients={need}. "
+                f"Problems: " + "; ".join(f"{s}: {m}" for s, m in self.missing.items())
+            )
+        return usable
+
+    # ---- end of training ------------------------------------------------------------------------
+    def final_params(self) -> dict:
+        """What the final validate/test tasks carry (the global model; empty for methods without one)."""
+        return prefixed("global", self.global_state)
+
+    def finish(self) -> None:
+        last = self.cfg["rounds"]
+        try:
+            val = self.send_each("validate", {s: self.message(last, self.final_params()) for s in self.sites})
+            if self.best_path.parent.is_dir() and self.final_params():
+                self.track_best(last, {s: r for s, r in val.items()}, self.global_state)
+            best = unprefixed("global", load_file(self.best_path)) if self.best_path.is_file() else {}
+            tested = self.send_each("test", {s: self.message(last, prefixed("global", best) if best else {}) for s in self.sites})
+        except RoundError as exc:
+            self.panic(str(exc))
+            return
+        results = {
+            "job": self.cfg["name"], "method": self.cfg["method"], "rounds": self.cfg["rounds"], "sites": self.sites,
+            "best_global_round": self.best["round"], "missing": self.missing, "history": self.history,
+            "test": {s: res.metrics["test"] for s, res in tested.items()}, "config": self.cfg,
+        }
+        text = json.dumps(results, indent=1, sort_keys=True)
+        for folder in (self.store.root, Path(self.get_run_dir())):
+            (folder / "results.json").write_text(text)
+        self.info(f"results written to {self.store.root / 'results.json'}")

@@ -1,0 +1,27 @@
+"""FedAvg workflow (also FedProx, whose difference lives at the sites: the proximal term).
+
+Per round: every site gets the global model, trains, returns its model and n_k; the server takes the
+n_k-weighted mean of the full state (``pflseg.algorithms.fedavg.weighted_average``).
+"""
+
+from __future__ import annotations
+
+from pflseg.algorithms.fedavg import weighted_average
+from pflseg.flare.controllers.base import RoundController
+from pflseg.flare.state import prefixed, unprefixed
+
+
+class FedAvgController(RoundController):
+    def shared_keys(self) -> list[str]:
+        """Keys that travel and are averaged (all of them for FedAvg)."""
+        return list(self.global_state)
+
+    def round(self, r: int) -> dict:
+        keys = self.shared_keys()
+        sent = {k: self.global_state[k] for k in keys}
+        results = self.send_each("train", {s: self.message(r, prefixed("global", sent)) for s in self.sites}, reference=sent)
+        self.track_best(r, results, self.global_state)
+        states = [unprefixed("global", res.params) for res in results.values()]
+        weights = [res.meta["NUM_STEPS_CURRENT_ROUND"] for res in results.values()]
+        self.global_state = {**self.global_state, **weighted_average(states, weights, keys)}
+        return {s: res.metrics.get("compute_seconds", 0.0) for s, res in results.items()}

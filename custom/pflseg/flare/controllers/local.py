@@ -1,0 +1,20 @@
+"""Local training: every site trains alone from the same initial model; nothing is aggregated.
+
+The server only orchestrates rounds and collects metrics; each site's model lives in its state on disk.
+"""
+
+from __future__ import annotations
+
+from pflseg.flare.controllers.base import RoundController
+from pflseg.flare.state import prefixed
+
+
+class LocalController(RoundController):
+    def round(self, r: int) -> dict:
+        params = prefixed("global", self.global_state) if r == 0 else {}
+        results = self.send_each("train", {s: self.message(r, params) for s in self.sites}, reference={})
+        self.round_metrics = {"val_dice": {s: res.metrics["val_dice"] for s, res in results.items()}}
+        return {s: res.metrics.get("compute_seconds", 0.0) for s, res in results.items()}
+
+    def final_params(self) -> dict:
+        return {}

@@ -1,0 +1,124 @@
+"""Effective config -> FLARE FedJob, and export of ``jobs/<name>/`` folders.
+
+A job is: the method's controller (carrying the whole effective config), the TensorBoard receiver on the
+server, and on every site the one client script (``pflseg/flare/client.py``) through ScriptRunner with
+torch tensors end to end. pflseg itself is declared a pre-installed package, so the job's custom folder
+holds the client script only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from nvflare.app_common.widgets.convert_to_fed_event import ConvertToFedEvent
+from nvflare.app_opt.tracking.tb.tb_receiver import TBAnalyticsReceiver
+from nvflare.client.config import ExchangeFormat
+from nvflare.job_config.api import FedJob
+from nvflare.job_config.script_runner import ScriptRunner
+
+from pflseg.config import job_names, load_job_config
+from pflseg.flare.controllers import CONTROLLERS
+
+CLIENT_SCRIPT = Path(__file__).with_name("client.py")
+
+#: server poll interval (seconds) the sites use to ask for tasks; FLARE's default is 2 s
+TASK_REQUEST_INTERVAL = 0.2
+
+
+def build_job(cfg: dict) -> FedJob:
+    """The FLARE job of effective config ``cfg`` (from ``pflseg.config.load_job_config``)."""
+    job = FedJob(name=cfg["name"], min_clients=cfg["min_clients"])
+    job.to_server(CONTROLLERS[cfg["method"]](config=cfg), id="controller")
+    job.to_server(TBAnalyticsReceiver(events=["fed.analytix_log_stats"]), id="receiver")
+    job.to_server({"server": {"task_request_interval": TASK_REQUEST_INTERVAL}})
+    # relative to the script's folder, so that the job carries it as app/custom/client.py (see _in_script_dir)
+    job.to_clients(ScriptRunner(script=CLIENT_SCRIPT.name, server_expected_format=ExchangeFormat.PYTORCH))
+    job.to_clients(ConvertToFedEvent(events_to_convert=["analytix_log_stats"], fed_event_prefix="fed."), id="event_to_fed")
+    job.set_app_packages(["pflseg"])
+    return job
+
+
+def export_job(name: str, out_dir: str | Path, overrides: dict | None = None) -> Path:
+    """Write ``<out_dir>/<name>/`` (meta.json, app/config/*.json, app/custom/client.py)."""
+    out_dir = Path(out_dir)
+    target = out_dir / name
+    if target.exists():
+        shutil.rmtree(target)
+    with _in_script_dir():
+        build_job(load_job_config(name, overrides=overrides)).export_job(str(out_dir.resolve()))
+    return target
+
+
+def _in_script_dir():
+    """FLARE resolves the client script relative to the working directory when it builds or exports."""
+    return contextlib.chdir(CLIENT_SCRIPT.parent)
+
+
+def export_all(out_dir: str | Path) -> list[Path]:
+    return [export_job(name, out_dir) for name in job_names()]
+
+
+def run_simulator(
+    job_dir: str | Path,
+    workspace: str | Path,
+    n_sites: int = 3,
+    threads: int | None = None,
+    data: str | Path | None = None,
+    progress=print,
+) -> dict:
+    """Run an exported job with ``nvflare simulator`` (a subprocess, as a user would) and return its results.
+
+    Layout: ``<workspace>/sim`` is FLARE's simulator workspace, ``<workspace>/state/<server|site>/<job>`` the
+    pflseg state (checkpoints, personalized models, results.json); the state survives a re-run, so
+    ``resume: true`` continues a stopped run.
+    """
+    job_dir, workspace = Path(job_dir).resolve(), Path(workspace).resolve()
+    name = job_dir.name
+    env = {**os.environ, "PFLSEG_STATE_DIR": str(workspace / "state")}
+    if data is not None:
+        data = Path(data).resolve()
+        if not (data / "dataset.json").is_file():
+            raise FileNotFoundError(f"--data {data}: no dataset.json there; make one with `pflseg data synth|index`")
+        env["PFLSEG_DATA"] = str(data)
+    workspace.mkdir(parents=True, exist_ok=True)
+    cmd = ["nvflare", "simulator", str(job_dir), "-w", str(workspace / "sim"), "-n", str(n_sites),
+           "-t", str(threads or n_sites)]
+    progress(f"[{name}] {' '.join(cmd)}")
+    results_path = workspace / "state" / "server" / name / "results.json"
+    results_path.unlink(missing_ok=True)
+    log_path = workspace / "simulator.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:
+            log_file.write(line)
+            if "pflseg" in line or "round " in line and "done" in line or "ERROR" in line:
+                msg = line.rstrip().split(" - ")[-1]
+                if ("round " in msg and " done in " in msg) or "left out" in msg or "ERROR" in line:
+                    progress(f"[{name}] {msg[:300]}")
+        proc.wait()
+    if not results_path.is_file():
+        raise RuntimeError(
+            f"job {name} did not finish (simulator exit {proc.returncode}); see {log_path} and "
+            f"{workspace / 'sim' / 'server' / 'log.txt'}"
+        )
+    return json.loads(results_path.read_text())
+
+
+def run_simenv(name: str, workspace: str | Path, n_sites: int = 3, threads: int | None = None,
+               overrides: dict | None = None) -> Path:
+    """The ``python job.py`` route: build the job in Python and run it with FLARE's SimEnv (in this process)."""
+    from nvflare.recipe.sim_env import SimEnv
+    from nvflare.recipe.spec import Recipe
+
+    workspace = Path(workspace).resolve()
+    os.environ.setdefault("PFLSEG_STATE_DIR", str(workspace / "state"))
+    with _in_script_dir():
+        job = build_job(load_job_config(name, overrides=overrides))
+        Recipe(job).execute(SimEnv(num_clients=n_sites, num_threads=threads or n_sites,
+                                   workspace_root=str(workspace / "sim")))
+    return Path(os.environ["PFLSEG_STATE_DIR"]) / "server" / name / "results.json"

@@ -1,0 +1,51 @@
+"""MONAI 2D UNet built from a config dict (the project's segmentation network)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from monai.networks.nets import UNet
+from torch import nn
+
+UNET_DEFAULTS = {
+    "in_channels": 1,
+    "out_channels": 1,
+    "channels": [16, 32, 64, 128],
+    "strides": [2, 2, 2],
+    "num_res_units": 1,
+    "norm": "batch",
+    "dropout": 0.0,
+}
+
+
+def build_unet(cfg: Mapping) -> nn.Module:
+    """Build ``monai.networks.nets.UNet(spatial_dims=2, ...)`` from ``cfg`` (keys of UNET_DEFAULTS).
+
+    Output: raw logits (B, out_channels, H, W); one sigmoid channel per foreground class.
+    """
+    unknown = set(cfg) - set(UNET_DEFAULTS) - {"name"}
+    if unknown:
+        raise ValueError(f"net: unknown key(s) {sorted(unknown)}; known: {sorted(UNET_DEFAULTS)}")
+    args = {**UNET_DEFAULTS, **{k: v for k, v in cfg.items() if k != "name"}}
+    if len(args["strides"]) != len(args["channels"]) - 1:
+        raise ValueError(
+            f"net: strides needs len(channels) - 1 = {len(args['channels']) - 1} entries, got {args['strides']}"
+        )
+    return UNet(
+        spatial_dims=2,
+        in_channels=args["in_channels"],
+        out_channels=args["out_channels"],
+        channels=tuple(args["channels"]),
+        strides=tuple(args["strides"]),
+        num_res_units=args["num_res_units"],
+        norm=args["norm"],
+        dropout=args["dropout"],
+    )
+
+
+def build_net(cfg: Mapping) -> nn.Module:
+    """Factory over the project's networks; ``cfg["name"]`` selects (default ``unet``)."""
+    name = cfg.get("name", "unet")
+    if name == "unet":
+        return build_unet(cfg)
+    raise ValueError(f"net.name: unknown network '{name}'; known: unet")

@@ -1,0 +1,34 @@
+import pytest
+import torch
+
+from pflseg.algorithms.fedavg import normalized_weights, weighted_average
+
+
+def test_weighted_average_matches_closed_form():
+    a = {"w": torch.tensor([1.0, 2.0]), "n": torch.tensor(4)}
+    b = {"w": torch.tensor([3.0, 6.0]), "n": torch.tensor(8)}
+    out = weighted_average([a, b], [1, 3])
+    assert torch.allclose(out["w"], torch.tensor([2.5, 5.0]))  # 0.25 * a + 0.75 * b
+    assert out["n"].dtype == torch.int64 and int(out["n"]) == 7
+
+
+def test_inputs_are_not_mutated():
+    a, b = {"w": torch.ones(3)}, {"w": torch.zeros(3)}
+    weighted_average([a, b], [1, 1])
+    assert torch.equal(a["w"], torch.ones(3)) and torch.equal(b["w"], torch.zeros(3))
+
+
+def test_only_requested_keys():
+    a, b = {"x": torch.ones(1), "y": torch.ones(1)}, {"x": torch.zeros(1), "y": torch.zeros(1)}
+    assert set(weighted_average([a, b], [1, 1], keys=["x"])) == {"x"}
+
+
+@pytest.mark.parametrize("weights", [[0, 0], [-1, 2], [float("nan"), 1], []])
+def test_bad_weights_are_rejected(weights):
+    with pytest.raises(ValueError, match="weight"):
+        normalized_weights(weights)
+
+
+def test_shape_mismatch_names_the_key():
+    with pytest.raises(ValueError, match="'w'"):
+        weighted_average([{"w": torch.ones(2)}, {"w": torch.ones(3)}], [1, 1])

@@ -1,0 +1,46 @@
+import pytest
+
+from pflseg.config import ConfigError, check_effective, job_names, load_job_config, merge, parse_set
+
+
+def test_every_job_config_loads():
+    names = job_names()
+    assert {"fedavg", "fedprox", "fedbn", "local", "centralized"} <= set(names)
+    for name in names:
+        cfg = load_job_config(name)
+        assert cfg["name"] == name
+
+
+def test_unknown_key_is_an_error_naming_the_key(tmp_path):
+    (tmp_path / "defaults.yaml").write_text("rounds: 2\ntrain:\n  lr: 0.1\n")
+    (tmp_path / "bad.yaml").write_text("train:\n  lrr: 0.2\n")
+    with pytest.raises(ConfigError, match=r"'train\.lrr'.*bad\.yaml|bad\.yaml.*'train\.lrr'"):
+        load_job_config("bad", tmp_path)
+
+
+def test_wrong_type_is_an_error():
+    with pytest.raises(ConfigError, match="rounds"):
+        merge({"rounds": 3}, {"rounds": "three"}, "x.yaml")
+
+
+def test_int_is_accepted_for_float_and_override_wins():
+    out = merge({"lr": 0.1, "n": 1}, {"lr": 1}, "x")
+    assert out == {"lr": 1.0, "n": 1} and isinstance(out["lr"], float)
+
+
+def test_bad_method_value():
+    cfg = load_job_config("fedavg")
+    cfg["method"] = "fedsgd"
+    with pytest.raises(ConfigError, match="fedsgd"):
+        check_effective(cfg)
+
+
+def test_parse_set_builds_nested_overrides():
+    assert parse_set(["train.lr=0.5", "rounds=3"]) == {"train": {"lr": 0.5}, "rounds": 3}
+    with pytest.raises(ConfigError):
+        parse_set(["rounds"])
+
+
+def test_cli_overrides_apply():
+    cfg = load_job_config("fedprox", overrides={"fedprox": {"mu": 0.1}, "rounds": 2})
+    assert cfg["fedprox"]["mu"] == 0.1 and cfg["rounds"] == 2

@@ -1,0 +1,156 @@
+"""Controllers with a stubbed transport: what each site is sent, and what the server makes of the answers."""
+
+import pytest
+import torch
+from nvflare.app_common.abstract.fl_model import FLModel
+
+from pflseg.algorithms.fedbn import shared_keys
+from pflseg.config import load_job_config
+from pflseg.flare.controllers import CONTROLLERS
+from pflseg.flare.controllers.base import RoundError, check_update
+from pflseg.flare.state import RoundStore, prefixed, unprefixed
+from pflseg.nets import build_net
+
+TINY = {"net": {"channels": [4, 8], "strides": [2]}, "rounds": 2}
+
+
+class Stub:
+    """Replaces FLARE's send: records payloads, answers with ``reply(site, payload)``."""
+
+    def __init__(self, controller, reply):
+        self.sent = []
+        controller.send_model = self.send_model
+        controller.get_num_standing_tasks = lambda: 0
+        self.reply = reply
+
+    def send_model(self, task_name, data, targets, timeout, callback):
+        (site,) = targets
+        self.sent.append((task_name, site, data))
+        answer = self.reply(site, data)
+        if answer is not None:
+            answer.meta["client_name"] = site
+            callback(answer)
+
+
+def make(method, tmp_path, monkeypatch, **over):
+    monkeypatch.setenv("PFLSEG_STATE_DIR", str(tmp_path))
+    cfg = load_job_config(method, overrides={**TINY, **over})
+    ctrl = CONTROLLERS[method](config=cfg)
+    ctrl.cfg = cfg
+    ctrl.sites = ["site-1", "site-2", "site-3"]
+    ctrl.store = RoundStore(tmp_path / "server")
+    ctrl.best_path = ctrl.store.root / "best.pt"
+    ctrl.missing = {}
+    ctrl.restore()
+    ctrl.info = ctrl.warning = ctrl.error = lambda msg: None
+    return ctrl
+
+
+def scaled(state, factor):
+    return {k: (v * factor if v.is_floating_point() else v) for k, v in state.items()}
+
+
+def test_fedavg_round_is_the_nk_weighted_mean(tmp_path, monkeypatch):
+    ctrl = make("fedavg", tmp_path, monkeypatch)
+    g0 = dict(ctrl.global_state)
+    n = {"site-1": 1, "site-2": 1, "site-3": 2}
+    factor = {"site-1": 1.0, "site-2": 2.0, "site-3": 3.0}
+
+    def reply(site, data):
+        state = unprefixed("global", data.params)
+        return FLModel(params=prefixed("global", scaled(state, factor[site])), metrics={"val_dice": 0.5},
+                       meta={"NUM_STEPS_CURRENT_ROUND": n[site]})
+
+    stub = Stub(ctrl, reply)
+    ctrl.round(0)
+    assert [s for _, s, _ in stub.sent] == ctrl.sites
+    assert all(torch.equal(unprefixed("global", d.params)[k], g0[k]) for _, _, d in stub.sent for k in g0)
+    key = next(k for k, v in g0.items() if v.is_floating_point() and v.abs().sum() > 0)
+    expected = g0[key] * (0.25 * 1 + 0.25 * 2 + 0.5 * 3)
+    assert torch.allclose(ctrl.global_state[key], expected, atol=1e-6)
+
+
+def test_nan_and_misshaped_updates_are_left_out_and_named(tmp_path, monkeypatch):
+    ctrl = make("fedavg", tmp_path, monkeypatch)
+    key = next(k for k, v in ctrl.global_state.items() if v.is_floating_point())
+
+    def reply(site, data):
+        state = dict(unprefixed("global", data.params))
+        if site == "site-2":
+            state[key] = torch.full_like(state[key], float("nan"))
+        if site == "site-3":
+            state[key] = torch.zeros(1)
+        return FLModel(params=prefixed("global", state), metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": 1})
+
+    Stub(ctrl, reply)
+    with pytest.raises(RoundError, match="site-2.*NaN|site-3.*shape"):
+        ctrl.round(0)  # min_clients = 2 but only site-1 is usable
+    assert set(ctrl.missing) == {"site-2", "site-3"}
+    assert "NaN" in ctrl.missing["site-2"] and "shape" in ctrl.missing["site-3"]
+
+
+def test_missing_site_round_completes_with_min_clients(tmp_path, monkeypatch):
+    ctrl = make("fedavg", tmp_path, monkeypatch)
+
+    def reply(site, data):
+        if site == "site-3":
+            return None  # died
+        return FLModel(params=data.params, metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": 1})
+
+    Stub(ctrl, reply)
+    ctrl.round(0)
+    assert "site-3" in ctrl.missing
+
+
+def test_fedbn_sends_and_averages_only_shared_keys(tmp_path, monkeypatch):
+    ctrl = make("fedbn", tmp_path, monkeypatch)
+    shared = set(shared_keys(build_net(ctrl.cfg["net"])))
+    assert shared != set(ctrl.global_state)
+    g0 = dict(ctrl.global_state)
+
+    def reply(site, data):
+        assert set(unprefixed("global", data.params)) == shared
+        return FLModel(params=prefixed("global", scaled(unprefixed("global", data.params), 2.0)),
+                       metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": 1})
+
+    Stub(ctrl, reply)
+    ctrl.round(0)
+    for k in g0:
+        if k in shared and g0[k].is_floating_point():
+            assert torch.allclose(ctrl.global_state[k], 2 * g0[k])
+        elif k not in shared:
+            assert torch.equal(ctrl.global_state[k], g0[k])
+
+
+def test_local_sends_initial_model_once_and_aggregates_nothing(tmp_path, monkeypatch):
+    ctrl = make("local", tmp_path, monkeypatch)
+    stub = Stub(ctrl, lambda site, data: FLModel(params={}, metrics={"val_dice": 0.1}, meta={"NUM_STEPS_CURRENT_ROUND": 1}))
+    g0 = dict(ctrl.global_state)
+    ctrl.round(0)
+    ctrl.round(1)
+    assert all(d.params for t, s, d in stub.sent[:3]) and not any(d.params for t, s, d in stub.sent[3:])
+    assert all(torch.equal(ctrl.global_state[k], g0[k]) for k in g0)
+
+
+def test_centralized_trains_at_one_site(tmp_path, monkeypatch):
+    ctrl = make("centralized", tmp_path, monkeypatch)
+    stub = Stub(ctrl, lambda site, data: FLModel(params=data.params, metrics={"val_dice": 0.3}, meta={"NUM_STEPS_CURRENT_ROUND": 9}))
+    ctrl.round(0)
+    assert [s for _, s, _ in stub.sent] == ["site-1"]
+
+
+def test_best_global_follows_weighted_validation(tmp_path, monkeypatch):
+    ctrl = make("fedavg", tmp_path, monkeypatch)
+    dice = {"site-1": 0.2, "site-2": 0.8, "site-3": 0.8}
+    Stub(ctrl, lambda site, data: FLModel(params=data.params, metrics={"val_dice": dice[site]},
+                                          meta={"NUM_STEPS_CURRENT_ROUND": 1 if site == "site-1" else 3}))
+    ctrl.round(0)
+    assert ctrl.best["round"] == 0
+    assert ctrl.best["score"] == pytest.approx((0.2 * 1 + 0.8 * 3 + 0.8 * 3) / 7)
+
+
+def test_check_update_reasons():
+    ref = {"w": torch.zeros(2)}
+    assert check_update("s", {"global.w": torch.ones(2)}, ref) is None
+    assert "unexpected" in check_update("s", {"global.v": torch.ones(2)}, ref)
+    assert "Inf" in check_update("s", {"global.w": torch.tensor([1.0, float("inf")])}, ref)
