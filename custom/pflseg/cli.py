@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pflseg", description="Personalized federated segmentation on NVIDIA FLARE")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    d = sub.add_parser("data", help="make, index and check data sets").add_subparsers(dest="data_cmd", required=True)
+    dp = sub.add_parser("data", help="make, index and check data sets")
+    dp.set_defaults(func=_data)
+    d = dp.add_subparsers(dest="data_cmd", required=True)
     s = d.add_parser("synth", help="make a synthetic multi-site NIfTI data set")
     s.add_argument("--out", required=True)
     s.add_argument("--task", choices=["prostate", "fundus"], default="prostate")
@@ -90,13 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--seed", type=int, default=0)
     c = d.add_parser("check", help="report every problem of a data set")
     c.add_argument("root")
-    d.set_defaults(func=_data)
 
-    j = sub.add_parser("jobs", help="FLARE job folders").add_subparsers(dest="jobs_cmd", required=True)
+    jp = sub.add_parser("jobs", help="FLARE job folders")
+    jp.set_defaults(func=_jobs)
+    j = jp.add_subparsers(dest="jobs_cmd", required=True)
     e = j.add_parser("export", help="write jobs/<name>/ from app_configs/")
     e.add_argument("names", nargs="*")
     e.add_argument("--out", default="jobs")
-    j.set_defaults(func=_jobs)
 
     r = sub.add_parser("run", help="run a job in the FLARE simulator")
     r.add_argument("job")
@@ -116,13 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--threads", type=int)
     m.set_defaults(func=_demo)
 
-    si = sub.add_parser("site", help="site-local configuration").add_subparsers(dest="site_cmd", required=True)
+    sp = sub.add_parser("site", help="site-local configuration")
+    sp.set_defaults(func=_site)
+    si = sp.add_subparsers(dest="site_cmd", required=True)
     init = si.add_parser("init", help="write <site-dir>/local/pflseg_site.json (data location, device)")
     init.add_argument("--data", required=True)
     init.add_argument("--device", default="auto")
     init.add_argument("--data-site", help="the site's folder name in the data root (default: FLARE site name)")
     init.add_argument("--site-dir", default=".")
-    si.set_defaults(func=_site)
     return p
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 from nvflare.app_common.workflows.model_controller import ModelController
+from nvflare.app_opt.pt.decomposers import TensorDecomposer
+from nvflare.fuel.utils import fobs
 
 from pflseg.config import check_effective
 from pflseg.flare.state import RoundStore, load_file, prefixed, save_file, state_dir, unprefixed
@@ -53,6 +55,7 @@ class RoundController(ModelController):
 
     # ---- the workflow ---------------------------------------------------------------------------
     def run(self) -> None:
+        fobs.register(TensorDecomposer)  # messages carry torch tensors end to end
         self.cfg = check_effective(self.config, "server job config")
         self.sites = sorted(self.sample_clients())
         if len(self.sites) < self.cfg["min_clients"]:

@@ -1,0 +1,147 @@
+"""Dataset checker: every problem of a data root, found at once, each with its file, site and fix.
+
+:func:`check_dataset` reads dataset.json, every site's datalist and every image and mask once, and
+reports unreadable or corrupt files, image/mask shape and spacing mismatches, missing files,
+empty sites, cases in more than one split, wrong channel counts and label values outside the
+expected set. :func:`require_valid` raises one :class:`DataError` listing all of them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from pflseg.data.datalist import DATALIST_JSON, SPLITS, read_datalist, read_dataset_info, resolve
+from pflseg.data.errors import (
+    DataError,
+    Problem,
+    problems_error,
+    shape_mismatch,
+    spacing_mismatch,
+    unreadable,
+)
+from pflseg.data.files import is_nifti, mask_plane, n_channels, read_array, spatial_shape
+from pflseg.data.labels import label_problem
+
+SPACING_RTOL = 1e-3
+
+
+def check_dataset(root: str | Path) -> list[Problem]:
+    """Finds every problem in a data root.
+
+    Args:
+        root: Data root (dataset.json + one folder per site).
+
+    Returns:
+        The problems found, in site order; empty when the dataset is usable.
+    """
+    root = Path(root)
+    info, problems = read_dataset_info(root)
+    if info is None:
+        return problems
+    n_classes = len(info["classes"])
+    for site in info["sites"]:
+        problems += _check_site(root, site, n_classes, info["in_channels"])
+    return problems
+
+
+def require_valid(root: str | Path) -> dict:
+    """Checks a data root and raises when anything is wrong.
+
+    Returns:
+        The validated dataset.json contents.
+
+    Raises:
+        DataError: Listing all problems at once, one per line.
+    """
+    problems = check_dataset(root)
+    if problems:
+        raise problems_error(problems, root)
+    return read_dataset_info(root)[0]
+
+
+def _check_site(root: Path, site: str, n_classes: int, in_channels: int) -> list[Problem]:
+    """Problems of one site: folder, datalist, entries and files."""
+    site_dir = root / site
+    if not site_dir.is_dir():
+        return [Problem(site, str(site_dir), "site listed in dataset.json has no folder",
+                        "restore the site folder or remove the site from dataset.json")]
+    if not (site_dir / DATALIST_JSON).is_file():
+        return [Problem(site, str(site_dir / DATALIST_JSON), "empty site: no datalist.json",
+                        "index the site's data (pflseg data index) or remove the site from dataset.json")]
+    try:
+        datalist = read_datalist(root, site)
+    except DataError as err:
+        return [Problem(site, str(site_dir / DATALIST_JSON), str(err).split(": ", 1)[-1].split(". Fix")[0],
+                        "regenerate the datalist")]
+    problems = []
+    if not datalist.get("training"):
+        problems.append(Problem(site, str(site_dir / DATALIST_JSON), "empty site: no training entries",
+                                "add training cases for this site or remove it from dataset.json"))
+    case_split: dict[str, str] = {}
+    for split in SPLITS:
+        for k, entry in enumerate(datalist.get(split, [])):
+            problems += _check_entry(site, site_dir, split, k, entry, n_classes, in_channels)
+            case = str(entry.get("case", "")) if isinstance(entry, dict) else ""
+            if case and case_split.setdefault(case, split) != split:
+                problems.append(Problem(site, str(site_dir / DATALIST_JSON),
+                                        f"case {case!r} is in both {case_split[case]} and {split}",
+                                        "split by case: keep every slice of a case in one split"))
+    return problems
+
+
+def _check_entry(site, site_dir, split, k, entry, n_classes, in_channels) -> list[Problem]:
+    """Problems of one datalist entry: keys, files, readability, shapes, spacing, labels."""
+    where = str(site_dir / DATALIST_JSON)
+    if not isinstance(entry, dict) or "image" not in entry or "case" not in entry:
+        return [Problem(site, where, f"{split}[{k}] needs 'image' and 'case' keys, got {entry!r}",
+                        "regenerate the datalist")]
+    image_path = resolve(site_dir, entry["image"])
+    if not image_path.is_file():
+        return [Problem(site, str(image_path), f"image listed in {split} does not exist",
+                        "restore the file or regenerate the datalist")]
+    problems = []
+    try:
+        image, image_spacing = read_array(image_path)
+    except Exception as err:  # noqa: BLE001 - any reader failure is a data problem
+        problems.append(unreadable(site, image_path, err))
+        image = None
+    if image is not None and n_channels(image, is_nifti(image_path)) != in_channels:
+        problems.append(Problem(site, str(image_path),
+                                f"image has {n_channels(image, is_nifti(image_path))} channel(s), dataset.json says "
+                                f"in_channels={in_channels}", "convert the image or fix in_channels in dataset.json"))
+    if "label" not in entry:
+        if split != "testing":
+            problems.append(Problem(site, str(image_path), f"{split} entry has no mask ('label' key)",
+                                    "add the mask path to the entry (only testing entries may be unlabeled)"))
+        return problems
+    label_path = resolve(site_dir, entry["label"])
+    if not label_path.is_file():
+        problems.append(Problem(site, str(label_path), f"mask of image {image_path} does not exist",
+                                "restore the mask file or regenerate the datalist"))
+        return problems
+    try:
+        label, label_spacing = read_array(label_path)
+    except Exception as err:  # noqa: BLE001
+        problems.append(unreadable(site, label_path, err))
+        return problems
+    nifti = is_nifti(label_path)
+    if not nifti and label.ndim == 3 and not (label == label[..., :1]).all():
+        problems.append(Problem(site, str(label_path), "colour mask with differing channels",
+                                "save the mask as a single-channel (grayscale) image"))
+    label_values = mask_plane(label, nifti)
+    problem = label_problem(site, label_path, label_values, entry.get("label_map"), n_classes)
+    if problem is not None:
+        problems.append(problem)
+    if image is None:
+        return problems
+    image_shape = spatial_shape(image, is_nifti(image_path))
+    label_shape = spatial_shape(label, nifti)
+    if image_shape != label_shape:
+        problems.append(shape_mismatch(site, image_path, label_path, image_shape, label_shape))
+    elif image_spacing is not None and label_spacing is not None and not np.allclose(
+        image_spacing, label_spacing, rtol=SPACING_RTOL, atol=0
+    ):
+        problems.append(spacing_mismatch(site, image_path, label_path, image_spacing, label_spacing))
+    return problems

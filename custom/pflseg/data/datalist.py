@@ -1,0 +1,186 @@
+"""Datalists (MONAI decathlon JSON, one per site), dataset.json and case-level splits.
+
+A data root holds ``dataset.json`` and one folder per site with ``datalist.json``::
+
+    <root>/dataset.json          {"name", "task", "classes", "label_encoding", "in_channels",
+                                  "sites", "layout"}
+    <root>/<site>/datalist.json  {"site": name, "training": [...], "validation": [...],
+                                  "testing": [...]}
+
+Each entry is ``{"image": path, "label": path, "case": id}`` with optional ``"label_map"``
+(raw mask value -> class index, keys are strings) and ``"slice"`` (slice index of a 2D image
+within its case). Paths are relative to the site folder or absolute.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from pflseg.data.errors import DataError
+
+DATASET_JSON = "dataset.json"
+DATALIST_JSON = "datalist.json"
+SPLITS = ("training", "validation", "testing")
+ENCODINGS = ("nested", "exclusive")
+
+
+def split_cases(
+    cases: list[str],
+    seed: int,
+    site: str,
+    val_fraction: float = 0.2,
+    test_fraction: float = 0.2,
+) -> dict[str, str]:
+    """Assigns every case to exactly one split, deterministically.
+
+    With 3 or more cases (and non-zero fractions) each split gets at least one case.
+
+    Args:
+        cases: Case ids (duplicates are ignored, order does not matter).
+        seed: Random seed; combined with the site name so sites are shuffled independently.
+        site: Site name.
+        val_fraction: Fraction of cases for validation.
+        test_fraction: Fraction of cases for testing (0 when the test split is given).
+
+    Returns:
+        Mapping case id -> "training" | "validation" | "testing".
+    """
+    if not 0 <= val_fraction < 1 or not 0 <= test_fraction < 1 or val_fraction + test_fraction >= 1:
+        raise ValueError(f"val_fraction={val_fraction}, test_fraction={test_fraction}: need 0 <= each, sum < 1")
+    unique = sorted(set(cases))
+    rng = np.random.default_rng([seed, zlib.crc32(site.encode())])
+    order = [unique[i] for i in rng.permutation(len(unique))]
+    n = len(order)
+    n_test = _count(n, test_fraction)
+    n_val = min(_count(n, val_fraction), max(n - n_test - 1, 0))
+    split = {c: "testing" for c in order[:n_test]}
+    split.update({c: "validation" for c in order[n_test : n_test + n_val]})
+    split.update({c: "training" for c in order[n_test + n_val :]})
+    return split
+
+
+def _count(n: int, fraction: float) -> int:
+    """Rounded share of ``n``; at least 1 when the fraction is positive and n >= 3."""
+    if fraction <= 0 or n == 0:
+        return 0
+    k = int(round(n * fraction))
+    return max(k, 1) if n >= 3 else k
+
+
+def write_datalist(site_dir: str | Path, site: str, entries: dict[str, list[dict]]) -> Path:
+    """Writes ``<site_dir>/datalist.json`` with the three split lists (sorted by case, slice)."""
+    site_dir = Path(site_dir)
+    site_dir.mkdir(parents=True, exist_ok=True)
+    body = {"site": site}
+    for split in SPLITS:
+        body[split] = sorted(entries.get(split, []), key=lambda e: (e["case"], e.get("slice", 0), e["image"]))
+    path = site_dir / DATALIST_JSON
+    path.write_text(json.dumps(body, indent=2) + "\n")
+    return path
+
+
+def write_dataset_json(
+    root: str | Path,
+    *,
+    name: str,
+    task: str,
+    classes: list[str],
+    label_encoding: str,
+    in_channels: int,
+    sites: list[str],
+    layout: str,
+) -> Path:
+    """Writes ``<root>/dataset.json`` (see the module docstring for the fields)."""
+    if label_encoding not in ENCODINGS:
+        raise ValueError(f"label_encoding={label_encoding!r}: expected one of {ENCODINGS}")
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    body = {
+        "name": name,
+        "task": task,
+        "classes": list(classes),
+        "label_encoding": label_encoding,
+        "in_channels": int(in_channels),
+        "sites": list(sites),
+        "layout": layout,
+    }
+    path = root / DATASET_JSON
+    path.write_text(json.dumps(body, indent=2) + "\n")
+    return path
+
+
+def read_datalist(root: str | Path, site: str) -> dict:
+    """Reads ``<root>/<site>/datalist.json``.
+
+    Raises:
+        DataError: The file is missing or not valid JSON with the three split lists.
+    """
+    path = Path(root) / site / DATALIST_JSON
+    if not path.is_file():
+        raise DataError(
+            f"[{site}] {path}: datalist not found. Fix: run `pflseg data index` (or make_synthetic) "
+            f"for this root, or remove {site!r} from dataset.json"
+        )
+    try:
+        body = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise DataError(f"[{site}] {path}: not valid JSON ({err}). Fix: regenerate the datalist") from err
+    if not isinstance(body, dict) or not all(isinstance(body.get(s, []), list) for s in SPLITS):
+        raise DataError(
+            f"[{site}] {path}: expected an object with lists {SPLITS}. Fix: regenerate the datalist"
+        )
+    return body
+
+
+def resolve(site_dir: str | Path, path: str) -> Path:
+    """Resolves a datalist path: absolute paths stay, relative ones are under the site folder."""
+    p = Path(path)
+    return p if p.is_absolute() else Path(site_dir) / p
+
+
+_INFO_TYPES = {"name": str, "task": str, "classes": list, "label_encoding": str, "in_channels": int,
+               "sites": list, "layout": str}
+
+
+def read_dataset_info(root: str | Path) -> tuple[dict | None, list]:
+    """Reads and validates ``<root>/dataset.json``.
+
+    Returns:
+        ``(info, problems)``: info is None when the file is missing or invalid, and problems is a
+        list of :class:`~pflseg.data.errors.Problem` saying why.
+    """
+    from pflseg.data.errors import Problem
+
+    path = Path(root) / DATASET_JSON
+    fix = "regenerate it with `pflseg data index` / make_synthetic, or write it by hand (see pflseg.data.datalist)"
+    if not path.is_file():
+        return None, [Problem("", str(path), "dataset.json not found", f"{fix}; check that the data root is right")]
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        return None, [Problem("", str(path), f"not valid JSON ({err})", fix)]
+    if not isinstance(info, dict):
+        return None, [Problem("", str(path), "expected a JSON object", fix)]
+    problems = []
+    for key, kind in _INFO_TYPES.items():
+        if key not in info:
+            problems.append(Problem("", str(path), f"missing key {key!r}", fix))
+        elif not isinstance(info[key], kind) or (kind is int and isinstance(info[key], bool)):
+            problems.append(Problem("", str(path), f"{key!r} must be a {kind.__name__}, got {info[key]!r}", fix))
+    if not problems:
+        if info["label_encoding"] not in ENCODINGS:
+            problems.append(Problem("", str(path), f"label_encoding {info['label_encoding']!r} is not one of {ENCODINGS}", fix))
+        if not info["classes"] or not all(isinstance(c, str) for c in info["classes"]):
+            problems.append(Problem("", str(path), f"classes must be a non-empty list of names, got {info['classes']!r}", fix))
+        if not info["sites"] or not all(isinstance(s, str) and s for s in info["sites"]):
+            problems.append(Problem("", str(path), f"sites must be a non-empty list of names, got {info['sites']!r}", fix))
+        if info["in_channels"] < 1:
+            problems.append(Problem("", str(path), f"in_channels must be >= 1, got {info['in_channels']}", fix))
+    unknown = sorted(set(info) - set(_INFO_TYPES))
+    if unknown:
+        problems.append(Problem("", str(path), f"unknown key(s) {unknown}", f"remove them; known keys are {list(_INFO_TYPES)}"))
+    return (None if problems else info), problems

@@ -1,0 +1,79 @@
+"""Label maps and channel encodings shared by the checker and the training datasets.
+
+After the entry's optional ``label_map`` (raw mask value -> class index), a mask holds class
+indices 0..C for C classes. ``nested``: output channel c = (label > c), e.g. fundus disc = label >= 1,
+cup = label >= 2. ``exclusive``: channel c = (label == c + 1).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from pflseg.data.errors import DataError, Problem, bad_label_values
+
+
+def label_problem(
+    site: str, file: str | Path, mask: np.ndarray, label_map: dict | None, n_classes: int
+) -> Problem | None:
+    """Checks mask values: raw values must be label_map keys, class values must lie in 0..C.
+
+    Args:
+        site: Site name (for the message).
+        file: Mask path (for the message).
+        mask: Raw mask values, any shape.
+        label_map: Raw value (as str) -> class index, or None.
+        n_classes: Number of classes C.
+
+    Returns:
+        A :class:`Problem`, or None when the values are fine.
+    """
+    values = np.unique(mask)
+    if label_map is not None:
+        keys = {float(k) for k in label_map}
+        bad = [_num(v) for v in values if float(v) not in keys]
+        if bad:
+            return bad_label_values(site, file, bad, [_num(float(k)) for k in label_map], raw=True)
+        values = np.unique([label_map[k] for k in label_map if float(k) in set(values.tolist())])
+    bad = [_num(v) for v in values if not (float(v).is_integer() and 0 <= v <= n_classes)]
+    if bad:
+        return bad_label_values(site, file, bad, range(n_classes + 1), raw=False)
+    return None
+
+
+def map_labels(site: str, file: str | Path, mask: np.ndarray, label_map: dict | None, n_classes: int) -> np.ndarray:
+    """Applies the label map and validates the result.
+
+    Returns:
+        int64 array of class indices 0..C, same shape as ``mask``.
+
+    Raises:
+        DataError: Values outside the label map or the class range (same text as the checker).
+    """
+    problem = label_problem(site, file, mask, label_map, n_classes)
+    if problem is not None:
+        raise problem.error()
+    if label_map is None:
+        return mask.astype(np.int64)
+    out = np.zeros(mask.shape, np.int64)
+    for raw, cls in label_map.items():
+        out[mask == float(raw)] = int(cls)
+    return out
+
+
+def encode_labels(label: np.ndarray, n_classes: int, encoding: str) -> np.ndarray:
+    """Class indices (...) -> binary float32 channels (C, ...) by the nested or exclusive rule."""
+    if encoding == "nested":
+        channels = [label > c for c in range(n_classes)]
+    elif encoding == "exclusive":
+        channels = [label == c + 1 for c in range(n_classes)]
+    else:
+        raise ValueError(f"encoding={encoding!r}: expected 'nested' or 'exclusive'")
+    return np.stack(channels).astype(np.float32)
+
+
+def _num(v) -> int | float:
+    """Prints integral values without a trailing .0."""
+    v = float(v)
+    return int(v) if v.is_integer() else v
