@@ -7,6 +7,7 @@ The job is built from app_configs/<name>.yaml exactly as `pflseg jobs export` bu
 
 import argparse
 
+from pflseg.config import parse_set
 from pflseg.flare.jobs import run_simenv
 
 if __name__ == "__main__":
@@ -16,6 +17,9 @@ if __name__ == "__main__":
     p.add_argument("--threads", type=int)
     p.add_argument("--rounds", type=int)
     p.add_argument("--workspace", default="runs/simenv")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     args = p.parse_args()
-    overrides = {"rounds": args.rounds} if args.rounds else {}
+    overrides = parse_set(args.set)
+    if args.rounds:
+        overrides["rounds"] = args.rounds
     print(run_simenv(args.job, args.workspace, n_sites=args.sites, threads=args.threads, overrides=overrides))

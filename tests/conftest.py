@@ -5,7 +5,6 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = REPO.parent / "shared" / "data" / "fixtures"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -14,13 +13,6 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
-
-
-@pytest.fixture
-def fixtures_dir():
-    if not FIXTURES.is_dir():
-        pytest.skip(f"shared fixtures not found at {FIXTURES}")
-    return FIXTURES
 
 
 @pytest.fixture(autouse=True)

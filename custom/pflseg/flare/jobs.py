@@ -45,12 +45,12 @@ def build_job(cfg: dict) -> FedJob:
 
 def export_job(name: str, out_dir: str | Path, overrides: dict | None = None) -> Path:
     """Write ``<out_dir>/<name>/`` (meta.json, app/config/*.json, app/custom/client.py)."""
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir).resolve()
     target = out_dir / name
     if target.exists():
         shutil.rmtree(target)
     with _in_script_dir():
-        build_job(load_job_config(name, overrides=overrides)).export_job(str(out_dir.resolve()))
+        build_job(load_job_config(name, overrides=overrides)).export_job(str(out_dir))
     return target
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import pytest
-from conftest import fixture_dir, write_png
+from tests.unit.data.helpers import fixture_dir, write_png
 from PIL import Image
 
 from pflseg.data import LAYOUTS, DataError, check_dataset, index_dataset, site_dataset

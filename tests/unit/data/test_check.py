@@ -9,7 +9,7 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import pytest
-from conftest import write_png
+from tests.unit.data.helpers import write_png
 
 from pflseg.data import DataError, check_dataset, index_dataset, require_valid, site_dataset
 

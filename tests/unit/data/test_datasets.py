@@ -8,7 +8,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 import torch
-from conftest import write_png
+from tests.unit.data.helpers import write_png
 
 from pflseg.data import DataError, case_of, index_dataset, load_dataset_info, pooled_dataset, site_dataset
 

@@ -39,7 +39,6 @@ def make(method, tmp_path, monkeypatch, **over):
     ctrl.cfg = cfg
     ctrl.sites = ["site-1", "site-2", "site-3"]
     ctrl.store = RoundStore(tmp_path / "server")
-    ctrl.best_path = ctrl.store.root / "best.pt"
     ctrl.missing = {}
     ctrl.restore()
     ctrl.info = ctrl.warning = ctrl.error = lambda msg: None
@@ -145,7 +144,7 @@ def test_best_global_follows_weighted_validation(tmp_path, monkeypatch):
     Stub(ctrl, lambda site, data: FLModel(params=data.params, metrics={"val_dice": dice[site]},
                                           meta={"NUM_STEPS_CURRENT_ROUND": 1 if site == "site-1" else 3}))
     ctrl.round(0)
-    assert ctrl.best["round"] == 0
+    assert ctrl.best["round"] == 0 and set(ctrl.best_state) == set(ctrl.global_state)
     assert ctrl.best["score"] == pytest.approx((0.2 * 1 + 0.8 * 3 + 0.8 * 3) / 7)
 
 

@@ -20,7 +20,7 @@ from nvflare.app_opt.pt.decomposers import TensorDecomposer
 from nvflare.fuel.utils import fobs
 
 from pflseg.config import check_effective
-from pflseg.flare.state import RoundStore, load_file, prefixed, save_file, state_dir, unprefixed
+from pflseg.flare.state import RoundStore, prefixed, state_dir, unprefixed
 from pflseg.nets import build_net
 from pflseg.train.loop import seed_everything
 
@@ -62,7 +62,6 @@ class RoundController(ModelController):
             self.panic(f"{len(self.sites)} site(s) connected but min_clients={self.cfg['min_clients']}")
             return
         self.store = RoundStore(state_dir("server", self.cfg["name"]))
-        self.best_path = self.store.root / "best_global.pt"
         self.missing: dict[str, str] = {}
         start = self.restore()
         for r in range(start, self.cfg["rounds"]):
@@ -94,20 +93,21 @@ class RoundController(ModelController):
     def restore(self) -> int:
         """Load the last completed round when resuming; else start fresh. Returns the first round to run."""
         self.global_state = self.initial_state()
-        self.history, self.best = [], {"round": -1, "score": -1.0}
+        self.history, self.best, self.best_state = [], {"round": -1, "score": -1.0}, {}
         latest = self.store.latest()
         if not self.cfg["resume"] or latest is None:
             self.store.clear()
-            self.best_path.unlink(missing_ok=True)
             return 0
         ckpt = self.store.load(latest)
         self.global_state.update(unprefixed("global", ckpt))
+        self.best_state = unprefixed("best", ckpt)
         self.history, self.best = list(ckpt["history"]), dict(ckpt["best"])
         self.info(f"resuming after round {latest + 1} from {self.store.path(latest)}")
         return latest + 1
 
     def checkpoint(self, r: int) -> dict:
-        return {"round": r, "history": self.history, "best": self.best, **prefixed("global", self.global_state)}
+        return {"round": r, "history": self.history, "best": self.best,
+                **prefixed("global", self.global_state), **prefixed("best", self.best_state)}
 
     def track_best(self, r: int, results: dict[str, FLModel], state: dict) -> None:
         """Keep the global model with the best n_k-weighted validation Dice (scored at the sites)."""
@@ -115,8 +115,7 @@ class RoundController(ModelController):
         score = sum(s * n for s, n in scores) / sum(n for _, n in scores)
         self.round_metrics = {"val_dice": {s: res.metrics["val_dice"] for s, res in results.items()}, "val_dice_mean": score}
         if score > self.best["score"]:
-            self.best = {"round": r, "score": score}
-            save_file(self.best_path, {"round": r, "score": score, **prefixed("global", state)})
+            self.best, self.best_state = {"round": r, "score": score}, dict(state)
 
     # ---- messaging ------------------------------------------------------------------------------
     def message(self, r: int, params: dict | None = None, **meta) -> FLModel:
@@ -172,10 +171,10 @@ class RoundController(ModelController):
         last = self.cfg["rounds"]
         try:
             val = self.send_each("validate", {s: self.message(last, self.final_params()) for s in self.sites})
-            if self.best_path.parent.is_dir() and self.final_params():
-                self.track_best(last, {s: r for s, r in val.items()}, self.global_state)
-            best = unprefixed("global", load_file(self.best_path)) if self.best_path.is_file() else {}
-            tested = self.send_each("test", {s: self.message(last, prefixed("global", best) if best else {}) for s in self.sites})
+            if self.final_params():
+                self.track_best(last, val, self.global_state)
+            best = prefixed("global", self.best_state) if self.best_state else {}
+            tested = self.send_each("test", {s: self.message(last, best) for s in self.sites})
         except RoundError as exc:
             self.panic(str(exc))
             return
