@@ -56,7 +56,7 @@ class Site:
     def data(self, split: str):
         if split not in self._data:
             size, fg = self.cfg["data"]["size"], self.cfg["data"]["foreground_only"] and split == "training"
-            if self.pool_sites and split == "training":
+            if self.pool_sites and split in ("training", "validation"):
                 self._data[split] = pooled_dataset(self.root, self.pool_sites, split, size=size, foreground_only=fg)
             else:
                 self._data[split] = site_dataset(self.root, self.data_site, split, size=size, foreground_only=fg)
@@ -180,7 +180,7 @@ def main() -> None:
             t0 = time.time()
             out = handler(msg)
             out.metrics = {**(out.metrics or {}), "compute_seconds": time.time() - t0}
-        except (DataError, ValueError, RuntimeError, OSError) as exc:
+        except (DataError, ValueError, RuntimeError, OSError, FloatingPointError) as exc:
             log.error("site %s: %s", name, exc)
             out = FLModel(params={}, meta={"pflseg_error": str(exc), "site": name})
             site = None if isinstance(exc, DataError) else site
