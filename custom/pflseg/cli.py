@@ -37,7 +37,7 @@ def _jobs(args) -> int:
 
 def _run(args) -> int:
     from pflseg.config import parse_set
-    from pflseg.eval.tables import dice_table
+    from pflseg.eval.tables import dice_table, timing_summary
     from pflseg.flare.jobs import export_job, run_simulator
 
     overrides = parse_set(args.set)
@@ -50,6 +50,7 @@ def _run(args) -> int:
     job_dir = export_job(args.job, workspace / "job", overrides=overrides)
     results = run_simulator(job_dir, workspace, n_sites=args.sites, threads=args.threads, data=args.data)
     print(dice_table({args.job: results}))
+    print(timing_summary(results))
     if results["missing"]:
         print(f"sites left out: {json.dumps(results['missing'])}")
     return 0

@@ -52,7 +52,9 @@ def test_job_completes_with_per_site_test_dice(name, tmp_path, data):
         assert 0.0 <= test["site"]["dice"] <= 1.0 and test["site"]["n_cases"] >= 1
         if name in ("fedavg", "fedprox", "centralized"):
             assert 0.0 <= test["global"]["dice"] <= 1.0
-    assert (tmp_path / "sim" / "server" / "simulate_job" / "results.json").is_file()  # in the FLARE run dir too
+    run_dir = tmp_path / "sim" / "server" / "simulate_job"
+    assert (run_dir / "results.json").is_file()  # in the FLARE run dir too (downloaded with the job)
+    assert {p.name for p in (run_dir / "tb_events").iterdir()} == {"site-1", "site-2"}  # TensorBoard via FLARE
 
 
 @pytest.mark.parametrize("name", ["fedbn", "local"])

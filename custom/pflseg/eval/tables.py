@@ -26,3 +26,20 @@ def dice_table(all_results: dict[str, dict]) -> str:
     means = [sum(columns[n].values()) / max(len(columns[n]), 1) for n in names]
     lines.append("| mean | " + " | ".join(f"{m:.4f}" for m in means) + " |")
     return "\n".join(lines)
+
+
+def timing_summary(results: dict) -> str:
+    """Wall time, peak memory and the per-round split into local work (slowest site) and FLARE overhead."""
+    rounds = results["history"]
+    wall = [h["wall_seconds"] for h in rounds]
+    work = [max(h["site_compute_seconds"].values(), default=0.0) for h in rounds]
+    fp = results.get("footprint", {})
+    steady = rounds[1:] or rounds  # round 1 includes the sites' start-up (data loading, caching)
+    w = sum(h["wall_seconds"] for h in steady) / len(steady)
+    c = sum(max(h["site_compute_seconds"].values(), default=0.0) for h in steady) / len(steady)
+    return (
+        f"{results['job']}: {len(rounds)} rounds, {len(results['sites'])} sites; "
+        f"wall {fp.get('wall_seconds', sum(wall)):.1f} s, peak memory {fp.get('peak_rss_gib', float('nan')):.2f} GiB; "
+        f"first round {wall[0]:.2f} s (site work {work[0]:.2f} s); later rounds {w:.2f} s each = "
+        f"{c:.2f} s site work (local training + validation, slowest site) + {w - c:.2f} s FLARE overhead"
+    )

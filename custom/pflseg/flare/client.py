@@ -130,7 +130,9 @@ class Site:
             params = prefixed("global", {k: v for k, v in trained.items() if k not in self.norm})
         else:
             params = prefixed("global", trained)
-        metrics = {"val_dice": val["dice"], "train_loss": stats["loss"], "train_seconds": train_s, "n_samples": stats["samples"]}
+        after = evaluate(model, self.data("validation"), self.device, cfg["train"]["eval_batch_size"])
+        metrics = {"val_dice": val["dice"], "val_dice_local": after["dice"], "train_loss": stats["loss"],
+                   "train_seconds": train_s, "n_samples": stats["samples"]}
         return FLModel(params=params, params_type=ParamsType.FULL, metrics=metrics,
                        meta={"NUM_STEPS_CURRENT_ROUND": stats["samples"], "site": self.name})
 

@@ -13,6 +13,8 @@ import json
 import os
 import shutil
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 from nvflare.app_common.widgets.convert_to_fed_event import ConvertToFedEvent
@@ -92,8 +94,10 @@ def run_simulator(
     results_path = workspace / "state" / "server" / name / "results.json"
     results_path.unlink(missing_ok=True)
     log_path = workspace / "simulator.log"
+    t0 = time.time()
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        peak = _PeakMemory(proc.pid)
         for line in proc.stdout:
             log_file.write(line)
             if "pflseg" in line or "round " in line and "done" in line or "ERROR" in line:
@@ -101,12 +105,47 @@ def run_simulator(
                 if ("round " in msg and " done in " in msg) or "left out" in msg or "ERROR" in line:
                     progress(f"[{name}] {msg[:300]}")
         proc.wait()
+        peak.stop()
     if not results_path.is_file():
         raise RuntimeError(
             f"job {name} did not finish (simulator exit {proc.returncode}); see {log_path} and "
             f"{workspace / 'sim' / 'server' / 'log.txt'}"
         )
-    return json.loads(results_path.read_text())
+    results = json.loads(results_path.read_text())
+    results["footprint"] = {"wall_seconds": time.time() - t0, "peak_rss_gib": peak.peak / 2**30}
+    results_path.write_text(json.dumps(results, indent=1, sort_keys=True))
+    return results
+
+
+class _PeakMemory(threading.Thread):
+    """Samples the summed resident memory of a process and all its children (the whole simulator)."""
+
+    def __init__(self, pid: int, period: float = 0.5):
+        super().__init__(daemon=True)
+        self.pid, self.period, self.peak, self._stop_event = pid, period, 0, threading.Event()
+        self.start()
+
+    def run(self):
+        import psutil
+
+        while not self._stop_event.wait(self.period):
+            try:
+                root = psutil.Process(self.pid)
+                procs = [root, *root.children(recursive=True)]
+                self.peak = max(self.peak, sum(_rss(p) for p in procs))
+            except psutil.Error:
+                pass
+
+    def stop(self):
+        self._stop_event.set()
+        self.join()
+
+
+def _rss(proc) -> int:
+    try:
+        return proc.memory_info().rss
+    except Exception:
+        return 0
 
 
 def run_simenv(name: str, workspace: str | Path, n_sites: int = 3, threads: int | None = None,

@@ -56,7 +56,7 @@ class Site:
     def data(self, split: str):
         if split not in self._data:
             size, fg = self.cfg["data"]["size"], self.cfg["data"]["foreground_only"] and split == "training"
-            if self.pool_sites and split == "training":
+            if self.pool_sites and split in ("training", "validation"):
                 self._data[split] = pooled_dataset(self.root, self.pool_sites, split, size=size, foreground_only=fg)
             else:
                 self._data[split] = site_dataset(self.root, self.data_site, split, size=size, foreground_only=fg)
@@ -130,7 +130,9 @@ class Site:
             params = prefixed("global", {k: v for k, v in trained.items() if k not in self.norm})
         else:
             params = prefixed("global", trained)
-        metrics = {"val_dice": val["dice"], "train_loss": stats["loss"], "train_seconds": train_s, "n_samples": stats["samples"]}
+        after = evaluate(model, self.data("validation"), self.device, cfg["train"]["eval_batch_size"])
+        metrics = {"val_dice": val["dice"], "val_dice_local": after["dice"], "train_loss": stats["loss"],
+                   "train_seconds": train_s, "n_samples": stats["samples"]}
         return FLModel(params=params, params_type=ParamsType.FULL, metrics=metrics,
                        meta={"NUM_STEPS_CURRENT_ROUND": stats["samples"], "site": self.name})
 
@@ -180,7 +182,7 @@ def main() -> None:
             t0 = time.time()
             out = handler(msg)
             out.metrics = {**(out.metrics or {}), "compute_seconds": time.time() - t0}
-        except (DataError, ValueError, RuntimeError, OSError) as exc:
+        except (DataError, ValueError, RuntimeError, OSError, FloatingPointError) as exc:
             log.error("site %s: %s", name, exc)
             out = FLModel(params={}, meta={"pflseg_error": str(exc), "site": name})
             site = None if isinstance(exc, DataError) else site
