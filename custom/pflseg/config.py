@@ -14,6 +14,8 @@ from pathlib import Path
 import yaml
 
 METHODS = ("fedavg", "fedprox", "fedbn", "local", "centralized")
+#: methods whose model for a site is the server's global model (the others give each site its own)
+GLOBAL_METHODS = ("fedavg", "fedprox", "centralized")
 
 
 class ConfigError(ValueError):

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-GLOBAL_METHODS = ("fedavg", "fedprox", "centralized")
+from pflseg.config import GLOBAL_METHODS
+
 LABELS = {"local": "Local", "fedavg": "FedAvg", "fedprox": "FedProx", "fedbn": "FedBN", "centralized": "Centralized"}
 
 

@@ -81,7 +81,9 @@ def run_simulator(
     """
     job_dir, workspace = Path(job_dir).resolve(), Path(workspace).resolve()
     name = job_dir.name
-    env = {**os.environ, "PFLSEG_STATE_DIR": str(workspace / "state")}
+    # the simulated sites share this machine's cores
+    env = {"PFLSEG_THREADS": str(max(1, (os.cpu_count() or 1) // n_sites)), **os.environ,
+           "PFLSEG_STATE_DIR": str(workspace / "state")}
     if data is not None:
         data = Path(data).resolve()
         if not (data / "dataset.json").is_file():

@@ -5,8 +5,10 @@ Site-local settings, first found wins:
      (``./`` = the site's working directory; ``pflseg site init`` writes it), with keys
      ``data`` (a data root made by ``pflseg data synth|index``), ``data_site`` (the site's folder name
      inside it, default: the FLARE site name), ``device`` (``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``),
-     ``state_dir`` (where personalized state and checkpoints live);
-  2. environment ``PFLSEG_DATA`` and ``PFLSEG_DEVICE`` override ``data`` and ``device`` (``pflseg run --data``).
+     ``state_dir`` (where personalized state and checkpoints live), ``threads`` (torch CPU threads; 0 =
+     torch's default);
+  2. environment ``PFLSEG_DATA``, ``PFLSEG_DEVICE`` and ``PFLSEG_THREADS`` override ``data``, ``device`` and
+     ``threads`` (``pflseg run`` sets them: several simulated sites share one machine).
 
 With no data configured at all, the site makes the job's deterministic synthetic data set in its
 workspace and says so in its log; a data location that is configured but missing or invalid is an error
@@ -23,12 +25,12 @@ from pathlib import Path
 from pflseg.data import DataError, load_dataset_info, make_synthetic, require_valid
 
 log = logging.getLogger("pflseg.site")
-KEYS = ("data", "data_site", "device", "state_dir")
+KEYS = ("data", "data_site", "device", "state_dir", "threads")
 
 
 def site_settings(site: str) -> dict:
     """Site-local settings (see module docstring) plus ``source``: where they came from."""
-    settings = {"data": None, "data_site": None, "device": "auto", "state_dir": None, "source": "defaults"}
+    settings = {"data": None, "data_site": None, "device": "auto", "state_dir": None, "threads": 0, "source": "defaults"}
     env_file = os.environ.get("PFLSEG_SITE_CONFIG")
     candidates = [Path(env_file)] if env_file else [Path("local/pflseg_site.json"), Path("pflseg_site.json")]
     for path in candidates:
@@ -51,6 +53,8 @@ def site_settings(site: str) -> dict:
         settings["data"], settings["source"] = os.environ["PFLSEG_DATA"], "environment PFLSEG_DATA"
     if os.environ.get("PFLSEG_DEVICE"):
         settings["device"] = os.environ["PFLSEG_DEVICE"]
+    if os.environ.get("PFLSEG_THREADS"):
+        settings["threads"] = int(os.environ["PFLSEG_THREADS"])
     return settings
 
 

@@ -7,9 +7,13 @@ from torch import nn
 
 
 def build_loss(name: str) -> nn.Module:
-    """``dice`` -> DiceLoss(sigmoid); ``dice_ce`` -> DiceCELoss(sigmoid) (Dice + BCE). Inputs (B, C, H, W) logits."""
+    """``dice`` -> DiceLoss(sigmoid); ``dice_ce`` -> DiceCELoss(sigmoid) (Dice + BCE). Inputs (B, C, H, W) logits.
+
+    Dice is computed over the whole batch (``batch=True``): 2D slices without foreground are common in
+    volumes, and a per-slice Dice on them would push the model towards predicting nothing.
+    """
     if name == "dice":
-        return DiceLoss(sigmoid=True, smooth_nr=1e-5, smooth_dr=1e-5)
+        return DiceLoss(sigmoid=True, batch=True, smooth_nr=1e-5, smooth_dr=1e-5)
     if name == "dice_ce":
-        return DiceCELoss(sigmoid=True, smooth_nr=1e-5, smooth_dr=1e-5)
+        return DiceCELoss(sigmoid=True, batch=True, smooth_nr=1e-5, smooth_dr=1e-5)
     raise ValueError(f"train.loss: unknown loss '{name}'; known: dice, dice_ce")

@@ -19,7 +19,7 @@ from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 
 from pflseg.algorithms.fedbn import norm_keys
 from pflseg.algorithms.fedprox import proximal_term
-from pflseg.config import check_effective
+from pflseg.config import GLOBAL_METHODS, check_effective
 from pflseg.data import DataError, pooled_dataset, site_dataset
 from pflseg.flare.site import resolve_data, site_settings
 from pflseg.flare.state import RoundStore, load_file, prefixed, save_file, state_dir, unprefixed
@@ -27,9 +27,6 @@ from pflseg.nets import build_net
 from pflseg.train import Hooks, build_loss, derive_seed, evaluate, make_loader, pick_device, seed_everything, train_epochs
 
 log = logging.getLogger("pflseg.client")
-
-#: methods whose model for a site is the server's global model
-GLOBAL_METHODS = ("fedavg", "fedprox", "centralized")
 
 
 class Site:
@@ -40,8 +37,8 @@ class Site:
         self.method = cfg["method"]
         self.settings = site_settings(name)
         self.device = pick_device(self.settings["device"])
-        if cfg["train"]["threads"]:
-            torch.set_num_threads(cfg["train"]["threads"])
+        if self.settings["threads"]:
+            torch.set_num_threads(self.settings["threads"])
         pool = self.method == "centralized" and name == sorted(sites)[0]
         self.root, self.data_site = resolve_data(name, self.settings, cfg["data"], sites=sites if pool else None)
         self.store = RoundStore(state_dir(name, cfg["name"], self.settings["state_dir"]))
