@@ -1,0 +1,233 @@
+import copy
+from functools import partial
+
+import pytest
+import torch
+from torch import nn
+
+from pflseg.algorithms.alignment import DomainDiscriminator, adversarial_alignment, coral, mmd
+from pflseg.algorithms.grace_meta import feature_layer, meta_step, unet_features
+from pflseg.nets import build_unet
+from pflseg.train import Hooks, build_loss, train_epochs
+
+
+def tiny_unet(seed=0):
+    torch.manual_seed(seed)
+    return build_unet({"channels": [4, 8], "strides": [2], "norm": "batch"})
+
+
+def make_batch(b=4, seed=0, size=16):
+    gen = torch.Generator().manual_seed(seed)
+    image = torch.randn(b, 1, size, size, generator=gen)
+    return {"image": image, "label": (image > 0.3).float()}
+
+
+class TinyNet(nn.Module):
+    """Conv -> ReLU -> 1x1 head: a small model whose step is easy to redo by hand."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.body = nn.Conv2d(1, 3, 3, padding=1)
+        self.head = nn.Conv2d(3, 1, 1)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)))
+
+
+def params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+# --- features --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_res_units", [0, 1])
+def test_feature_layer_is_the_top_transposed_conv_and_features_are_full_resolution(num_res_units):
+    net = build_unet({"channels": [4, 8], "strides": [2], "num_res_units": num_res_units})
+    layer = feature_layer(net)
+    assert isinstance(layer, nn.ConvTranspose2d) and layer.out_channels == 1
+    images = torch.randn(2, 1, 16, 16)
+    feats, logits = unet_features(net, images)
+    assert feats.shape == (2, layer.in_channels, 16, 16) and layer.in_channels > 1
+    assert logits.shape == (2, 1, 16, 16)
+    native, _ = unet_features(net, images, full_resolution=False)
+    assert native.shape == (2, layer.in_channels, 8, 8)
+    assert torch.equal(feats[..., ::2, ::2], native)  # nearest: every native pixel repeated
+    assert not any(m._forward_pre_hooks for m in net.modules())  # the hook is removed again
+
+
+def test_feature_layer_falls_back_to_last_conv_and_rejects_conv_free_models():
+    net = TinyNet()
+    assert feature_layer(net) is net.head
+    with pytest.raises(ValueError, match="model"):
+        feature_layer(nn.Sequential(nn.ReLU()))
+
+
+# --- the meta step ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make_model", [TinyNet, tiny_unet])
+def test_beta_zero_no_split_inner_lr_zero_equals_a_plain_sgd_step(make_model):
+    model = make_model()
+    reference = copy.deepcopy(model)
+    batch, loss_fn = make_batch(), build_loss("dice_ce")
+
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    opt.zero_grad()
+    plain_loss = loss_fn(reference(batch["image"]), batch["label"])
+    plain_loss.backward()
+    opt.step()
+
+    meta_opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    value = meta_step(model, batch, meta_opt, loss_fn, inner_lr=0.0, beta=0.0, align_fn=None, global_model=None,
+                      feature_fn=None, split=False)
+    assert value == pytest.approx(plain_loss.item())
+    for key, ref in reference.state_dict().items():  # parameters and BN running statistics alike
+        assert torch.equal(model.state_dict()[key], ref), key
+
+
+def test_beta_zero_no_split_is_sgd_with_the_gradient_taken_at_theta_prime():
+    model, batch, loss_fn = TinyNet(), make_batch(), build_loss("dice_ce")
+    inner_lr, lr = 0.5, 0.1
+
+    probe = copy.deepcopy(model)  # by hand: theta' = theta - a grad(theta); theta - lr grad(theta')
+    grads = torch.autograd.grad(loss_fn(probe(batch["image"]), batch["label"]), list(probe.parameters()))
+    with torch.no_grad():
+        for p, g in zip(probe.parameters(), grads):
+            p.sub_(inner_lr * g)
+    grads_prime = torch.autograd.grad(loss_fn(probe(batch["image"]), batch["label"]), list(probe.parameters()))
+    expected = [t - lr * g for t, g in zip(params(model), grads_prime)]
+
+    meta_step(model, batch, torch.optim.SGD(model.parameters(), lr=lr), loss_fn,
+              inner_lr=inner_lr, beta=0.0, align_fn=None, global_model=None, split=False)
+    for got, want, g in zip(params(model), expected, grads):
+        assert torch.allclose(got, want, atol=1e-6)
+    plain = [t - lr * g for t, g in zip(params(TinyNet()), grads)]
+    assert any(not torch.allclose(a, b, atol=1e-6) for a, b in zip(params(model), plain))  # not the plain step
+
+
+def test_running_statistics_are_updated_once_by_the_meta_test_forward():
+    model, batch, loss_fn = tiny_unet(), make_batch(), build_loss("dice_ce")
+    probe = copy.deepcopy(model)  # by hand: theta' from the inner step, then ONE train-mode forward
+    grads = torch.autograd.grad(loss_fn(probe(batch["image"]), batch["label"]), list(probe.parameters()))
+    probe.load_state_dict(model.state_dict())  # undo the probe's running-statistics update
+    with torch.no_grad():
+        for p, g in zip(probe.parameters(), grads):
+            p.sub_(0.5 * g)
+        probe(batch["image"])
+    meta_step(model, batch, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn,
+              inner_lr=0.5, beta=0.0, align_fn=None, global_model=None, split=False)
+    for (key, buf), ref in zip(model.named_buffers(), probe.buffers()):
+        assert torch.allclose(buf, ref, atol=1e-6), key
+    assert all(int(b) == 1 for k, b in model.named_buffers() if k.endswith("num_batches_tracked"))
+
+
+def test_split_uses_first_half_for_meta_train_and_second_half_for_meta_test():
+    model, batch, loss_fn = TinyNet(), make_batch(b=4), build_loss("dice_ce")
+    b1 = {k: v[:2] for k, v in batch.items()}
+    b2 = {k: v[2:] for k, v in batch.items()}
+    probe = copy.deepcopy(model)
+    grads = torch.autograd.grad(loss_fn(probe(b1["image"]), b1["label"]), list(probe.parameters()))
+    with torch.no_grad():
+        for p, g in zip(probe.parameters(), grads):
+            p.sub_(0.5 * g)
+    meta_loss = loss_fn(probe(b2["image"]), b2["label"])
+    grads_prime = torch.autograd.grad(meta_loss, list(probe.parameters()))
+    expected = [t - 0.1 * g for t, g in zip(params(model), grads_prime)]
+
+    value = meta_step(model, batch, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn,
+                      inner_lr=0.5, beta=0.0, align_fn=None, global_model=None)
+    assert value == pytest.approx(meta_loss.item())
+    for got, want in zip(params(model), expected):
+        assert torch.allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("align_fn", [coral, mmd])
+def test_alignment_changes_the_update_and_leaves_the_global_model_alone(align_fn):
+    global_model = tiny_unet(seed=1)
+    global_model.train()
+    global_before = state(global_model)
+    batch, loss_fn = make_batch(), build_loss("dice_ce")
+    results = {}
+    for beta in (0.0, 1.0):
+        model = tiny_unet(seed=0)
+        meta_step(model, batch, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, inner_lr=0.01, beta=beta,
+                  align_fn=align_fn, global_model=global_model, feature_fn=unet_features)
+        results[beta] = params(model)
+    assert any(not torch.allclose(a, b) for a, b in zip(results[0.0], results[1.0]))
+    assert global_model.training
+    for key, value in global_model.state_dict().items():
+        assert torch.equal(value, global_before[key]), key
+    assert all(p.grad is None for p in global_model.parameters())
+
+
+def test_adversarial_alignment_plugs_in_and_trains_the_discriminator():
+    model, global_model = tiny_unet(0), tiny_unet(1)
+    d = feature_layer(model).in_channels
+    disc = DomainDiscriminator(d, hidden=4)
+    opt = torch.optim.SGD([{"params": model.parameters()}, {"params": disc.parameters()}], lr=0.1)
+    disc_before = params(disc)
+    meta_step(model, make_batch(), opt, build_loss("dice"), inner_lr=0.01, beta=1.0,
+              align_fn=partial(adversarial_alignment, disc), global_model=global_model, feature_fn=unet_features)
+    assert any(not torch.equal(a, b) for a, b in zip(disc_before, params(disc)))
+
+
+def test_fits_the_training_loop_hook():
+    class Pairs(torch.utils.data.Dataset):
+        def __init__(self):
+            self.batch = make_batch(b=5, seed=3)
+
+        def __len__(self):
+            return 5
+
+        def __getitem__(self, i):
+            return {"image": self.batch["image"][i], "label": self.batch["label"][i]}
+
+    model, global_model = tiny_unet(0), tiny_unet(1)
+    before = params(model)
+    step = partial(meta_step, inner_lr=0.01, beta=1.0, align_fn=coral, global_model=global_model,
+                   feature_fn=unet_features)
+    loader = torch.utils.data.DataLoader(Pairs(), batch_size=4)  # last batch has one sample: no split
+    out = train_epochs(model, loader, torch.optim.SGD(model.parameters(), lr=0.05), build_loss("dice_ce"), 1,
+                       torch.device("cpu"), Hooks(step=step))
+    assert out["steps"] == 2 and out["loss"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, params(model)))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"inner_lr": -1.0}, "inner_lr"),
+        ({"beta": float("nan")}, "beta"),
+        ({"beta": 1.0, "align_fn": None}, "align_fn"),
+        ({"beta": 1.0, "global_model": None}, "global_model"),
+    ],
+)
+def test_bad_arguments_are_named_and_model_is_untouched(kwargs, match):
+    model = TinyNet()
+    before = params(model)
+    args = {"inner_lr": 0.1, "beta": 0.0, "align_fn": coral, "global_model": TinyNet(1), **kwargs}
+    with pytest.raises(ValueError, match=match):
+        meta_step(model, make_batch(), torch.optim.SGD(model.parameters(), lr=0.1), build_loss("dice"), **args)
+    assert all(torch.equal(a, b) for a, b in zip(before, params(model)))
+
+
+def test_failure_restores_parameters_and_buffers():
+    model = tiny_unet()
+    before = state(model)
+
+    def bad_loss(logits, label):
+        bad_loss.calls += 1
+        return logits.mean() * (float("nan") if bad_loss.calls == 2 else 1.0)
+
+    bad_loss.calls = 0
+    with pytest.raises(FloatingPointError, match="meta-test"):
+        meta_step(model, make_batch(), torch.optim.SGD(model.parameters(), lr=0.1), bad_loss,
+                  inner_lr=0.1, beta=0.0, align_fn=None, global_model=None)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
