@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("demo", help="synthetic data + baselines in the simulator + per-site Dice table")
     m.add_argument("--workspace", default="demo")
     m.add_argument("--sites", type=int, default=3)
-    m.add_argument("--rounds", type=int, default=8)
+    m.add_argument("--rounds", type=int, default=25)
     m.add_argument("--threads", type=int)
     m.set_defaults(func=_demo)
 

@@ -13,7 +13,7 @@ from pflseg.flare.jobs import export_job, run_simulator
 BASELINES = ("local", "fedavg", "fedprox", "fedbn", "centralized")
 
 
-def run_demo(workspace: str | Path = "demo", sites: int = 3, rounds: int = 8, threads: int | None = None,
+def run_demo(workspace: str | Path = "demo", sites: int = 3, rounds: int = 25, threads: int | None = None,
              jobs=BASELINES, progress=print) -> str:
     """Make the demo data, run each baseline job for ``rounds`` rounds on ``sites`` sites, return the table."""
     workspace = Path(workspace).resolve()
