@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-METHODS = ("fedavg", "fedprox", "fedbn", "local", "centralized")
+METHODS = ("fedavg", "fedprox", "fedbn", "local", "centralized", "fedsm")
 #: methods whose model for a site is the server's global model (the others give each site its own)
 GLOBAL_METHODS = ("fedavg", "fedprox", "centralized")
 
@@ -90,6 +90,11 @@ def validate(cfg: Mapping, source: str = "config") -> None:
         raise ConfigError(f"{source}: data.synth_task must be prostate or fundus, got {cfg['data']['synth_task']!r}")
     if cfg["train"]["loss"] not in ("dice", "dice_ce"):
         raise ConfigError(f"{source}: train.loss must be dice or dice_ce, got {cfg['train']['loss']!r}")
+    fedsm = cfg["fedsm"]
+    if not 0.0 <= fedsm["lam"] <= 1.0 or not 0.0 <= fedsm["gamma"] <= 1.0:
+        raise ConfigError(f"{source}: fedsm.lam and fedsm.gamma must lie in [0, 1], got {fedsm['lam']}, {fedsm['gamma']}")
+    if fedsm["selector"] not in ("compact", "vgg11") or fedsm["selector_steps"] not in ("epoch", "batch"):
+        raise ConfigError(f"{source}: fedsm.selector must be compact|vgg11 and fedsm.selector_steps epoch|batch")
     if cfg["fedprox"]["mu"] < 0:
         raise ConfigError(f"{source}: fedprox.mu must be >= 0, got {cfg['fedprox']['mu']}")
 

@@ -50,14 +50,14 @@ def test_job_completes_with_per_site_test_dice(name, tmp_path, data):
     for site in res["sites"]:
         test = res["test"][site]
         assert 0.0 <= test["site"]["dice"] <= 1.0 and test["site"]["n_cases"] >= 1
-        if name in ("fedavg", "fedprox", "centralized"):
+        if name in ("fedavg", "fedprox", "centralized", "fedsm"):
             assert 0.0 <= test["global"]["dice"] <= 1.0
     run_dir = tmp_path / "sim" / "server" / "simulate_job"
     assert (run_dir / "results.json").is_file()  # in the FLARE run dir too (downloaded with the job)
     assert {p.name for p in (run_dir / "tb_events").iterdir()} == {"site-1", "site-2"}  # TensorBoard via FLARE
 
 
-@pytest.mark.parametrize("name", ["fedbn", "local"])
+@pytest.mark.parametrize("name", ["fedbn", "local", "fedsm"])
 def test_one_thread_equals_three_threads(name, tmp_path, data):
     one = run(name, tmp_path / "t1", data, sites=3, threads=1)
     three = run(name, tmp_path / "t3", data, sites=3, threads=3)

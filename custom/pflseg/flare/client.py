@@ -19,11 +19,13 @@ from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 
 from pflseg.algorithms.fedbn import norm_keys
 from pflseg.algorithms.fedprox import proximal_term
-from pflseg.config import GLOBAL_METHODS, check_effective
+from pflseg.algorithms.fedsm import flatten_optimizer_state, unflatten_optimizer_state
+from pflseg.config import check_effective
 from pflseg.data import DataError, pooled_dataset, site_dataset
 from pflseg.flare.site import resolve_data, site_settings
 from pflseg.flare.state import RoundStore, load_file, prefixed, save_file, state_dir, unprefixed
 from pflseg.nets import build_net
+from pflseg.nets.selector import build_selector, selector_cfg
 from pflseg.train import Hooks, build_loss, derive_seed, evaluate, make_loader, pick_device, seed_everything, train_epochs
 
 log = logging.getLogger("pflseg.client")
@@ -97,6 +99,18 @@ class Site:
         return metrics
 
     # ---- tasks ----------------------------------------------------------------------------------
+    def _fit(self, model, name: str, prev: dict, seed: int, hooks: Hooks | None = None,
+             lr: float | None = None, loss=None, batch_size: int | None = None) -> tuple[dict, dict]:
+        """Train ``model`` with the one loop; Adam state ``optim.<name>`` carried over from ``prev``.
+        Returns (loop stats, optimizer state_dict)."""
+        cfg = self.cfg["train"]
+        optimizer = torch.optim.Adam(model.parameters(), lr=lr or cfg["lr"])
+        if cfg["keep_optimizer_state"] and f"optim.{name}" in prev:
+            optimizer.load_state_dict(prev[f"optim.{name}"])
+        loader = make_loader(self.data("training"), batch_size or cfg["batch_size"], shuffle=True, seed=seed)
+        stats = train_epochs(model, loader, optimizer, loss or build_loss(cfg["loss"]), cfg["epochs"], self.device, hooks)
+        return stats, optimizer.state_dict()
+
     def train(self, msg: FLModel) -> FLModel:
         r, cfg = msg.current_round, self.cfg
         if r == 0 and not cfg["resume"]:
@@ -104,23 +118,21 @@ class Site:
             self.best_path.unlink(missing_ok=True)
         seed = derive_seed(cfg["seed"], self.name, r)
         seed_everything(seed)
+        prev = self.store.load(r - 1) if r > 0 and r - 1 in self.store.rounds() else {}
+        if self.method == "fedsm":
+            return self.train_fedsm(msg, r, seed, prev)
         model = self.current_model(msg.params, r)
         val = self._validate_and_track(model, r)
         t0 = time.time()
-        optimizer = torch.optim.Adam(model.parameters(), lr=cfg["train"]["lr"])
-        prev = self.store.load(r - 1) if r > 0 and r - 1 in self.store.rounds() else {}
-        if cfg["train"]["keep_optimizer_state"] and "optim" in prev:
-            optimizer.load_state_dict(prev["optim"])
         hooks = Hooks()
         if self.method == "fedprox":
             anchor = {k: v.detach().clone() for k, v in model.named_parameters()}
             mu = cfg["fedprox"]["mu"]
             hooks.extra_loss = lambda m, batch, logits: proximal_term(m, anchor, mu)
-        loader = make_loader(self.data("training"), cfg["train"]["batch_size"], shuffle=True, seed=seed)
-        stats = train_epochs(model, loader, optimizer, build_loss(cfg["train"]["loss"]), cfg["train"]["epochs"], self.device, hooks)
+        stats, optim = self._fit(model, "model", prev, seed, hooks)
         train_s = time.time() - t0
         trained = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-        self.store.save(r, {"round": r, "optim": optimizer.state_dict(), **prefixed("model", trained)})
+        self.store.save(r, {"round": r, "optim.model": optim, **prefixed("model", trained)})
         if self.method == "local":
             params = {}
         elif self.method == "fedbn":
@@ -133,16 +145,71 @@ class Site:
         return FLModel(params=params, params_type=ParamsType.FULL, metrics=metrics,
                        meta={"NUM_STEPS_CURRENT_ROUND": stats["samples"], "site": self.name})
 
+    def train_fedsm(self, msg: FLModel, r: int, seed: int, prev: dict) -> FLModel:
+        """FedSM: train the global model, this site's personalized model and the selector (label k)."""
+        cfg, bs = self.cfg, self.cfg["train"]["eval_batch_size"]
+        person = build_net(cfg["net"])
+        person.load_state_dict(unprefixed("person", msg.params))
+        val_p = self._validate_and_track(person, r)  # the site's own best model is its personalized one
+        glob = self.current_model(msg.params, r)
+        val_g = evaluate(glob, self.data("validation"), self.device, bs)
+        t0 = time.time()
+        stats, optim_g = self._fit(glob, "global", prev, seed)
+        _, optim_p = self._fit(person, "person", prev, seed)
+        selector = build_selector(selector_cfg(cfg, len(self.sites)))
+        selector.load_state_dict(unprefixed("select", msg.params))
+        label = int(msg.meta["selector_label"])
+        moments = unprefixed("moment", msg.params)
+        sel_opt = torch.optim.Adam(selector.parameters(), lr=cfg["fedsm"]["selector_lr"])
+        if moments:
+            sel_opt.load_state_dict(unflatten_optimizer_state(moments, sel_opt.state_dict()["param_groups"]))
+        per_epoch = cfg["fedsm"]["selector_steps"] == "epoch"
+        ce = torch.nn.CrossEntropyLoss(reduction="sum" if per_epoch else "mean")
+
+        def selector_step(model, batch, optimizer, _):
+            if not per_epoch:
+                optimizer.zero_grad(set_to_none=True)
+            logits = model(batch["image"])
+            loss = ce(logits, torch.full((logits.shape[0],), label, device=logits.device))
+            loss.backward()
+            if not per_epoch:
+                optimizer.step()
+            return float(loss.detach())
+
+        def full_batch_step(model, optimizer):  # one step per epoch over the summed gradients (reference code)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        hooks = Hooks(step=selector_step, epoch_end=full_batch_step if per_epoch else None)
+        sel_opt.zero_grad(set_to_none=True)
+        loader = make_loader(self.data("training"), cfg["train"]["batch_size"], shuffle=True, seed=seed)
+        sel_stats = train_epochs(selector, loader, sel_opt, None, cfg["train"]["epochs"], self.device, hooks)
+        train_s = time.time() - t0
+        cpu = lambda m: {k: v.detach().cpu().clone() for k, v in m.state_dict().items()}  # noqa: E731
+        self.store.save(r, {"round": r, "optim.global": optim_g, "optim.person": optim_p})
+        params = {**prefixed("global", cpu(glob)), **prefixed("person", cpu(person)), **prefixed("select", cpu(selector)),
+                  **prefixed("moment", flatten_optimizer_state(sel_opt.state_dict()))}
+        metrics = {"val_dice": val_g["dice"], "val_dice_person": val_p["dice"], "train_loss": stats["loss"],
+                   "selector_loss": sel_stats["loss"], "train_seconds": train_s, "n_samples": stats["samples"]}
+        return FLModel(params=params, params_type=ParamsType.FULL, metrics=metrics,
+                       meta={"NUM_STEPS_CURRENT_ROUND": stats["samples"], "site": self.name})
+
     def validate(self, msg: FLModel) -> FLModel:
         model = self.current_model(msg.params, msg.current_round)
-        val = self._validate_and_track(model, msg.current_round)
+        if self.method == "fedsm":  # global scored for the server's choice, personalized tracked as the site's own
+            val = evaluate(model, self.data("validation"), self.device, self.cfg["train"]["eval_batch_size"])
+            person = build_net(self.cfg["net"])
+            person.load_state_dict(unprefixed("person", msg.params))
+            self._validate_and_track(person, msg.current_round)
+        else:
+            val = self._validate_and_track(model, msg.current_round)
         return FLModel(params={}, metrics={"val_dice": val["dice"]}, meta={"site": self.name})
 
     def test(self, msg: FLModel) -> FLModel:
         """Test Dice of the server's selected global model (if the method has one) and of the site's best own model."""
         data, bs = self.data("testing"), self.cfg["train"]["eval_batch_size"]
         metrics = {}
-        if self.method in GLOBAL_METHODS and msg.params:
+        if unprefixed("global", msg.params or {}):
             self.net.load_state_dict({**self.net.state_dict(), **unprefixed("global", msg.params)})
             metrics["global"] = evaluate(self.net, data, self.device, bs)
         best = load_file(self.best_path)

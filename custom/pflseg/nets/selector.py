@@ -164,3 +164,8 @@ def build_selector(cfg: Mapping) -> Selector:
     if not (width > 0.0 and width != float("inf")):
         raise ValueError(f"selector.width must be a finite number > 0, got {args['width']!r}")
     return build_compact(in_channels, num_classes, width, _positive_int("hidden", args["hidden"]), dropout)
+
+
+def selector_cfg(job_cfg: Mapping, num_classes: int) -> dict:
+    """The selector's config from a pflseg job config (``fedsm.selector``, ``net.in_channels``)."""
+    return {"name": job_cfg["fedsm"]["selector"], "num_classes": num_classes, "in_channels": job_cfg["net"]["in_channels"]}

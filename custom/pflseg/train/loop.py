@@ -26,10 +26,13 @@ class Hooks:
     Attributes:
         extra_loss: ``f(model, batch, logits) -> scalar tensor`` added to the task loss.
         step: ``f(model, batch, optimizer, loss_fn) -> float`` replacing the default step.
+        epoch_end: ``f(model, optimizer)`` after every epoch (e.g. one optimizer step per epoch over
+            gradients a custom step accumulated: full-batch training).
     """
 
     extra_loss: Callable[[nn.Module, dict, torch.Tensor], torch.Tensor] | None = None
     step: Callable[[nn.Module, dict, torch.optim.Optimizer, nn.Module], float] | None = None
+    epoch_end: Callable[[nn.Module, torch.optim.Optimizer], None] | None = None
 
 
 def pick_device(preference: str = "auto") -> torch.device:
@@ -105,6 +108,8 @@ def train_epochs(
                 loss_value = float(loss.detach())
             total += loss_value
             steps += 1
+        if hooks.epoch_end is not None:
+            hooks.epoch_end(model, optimizer)
         if progress is not None:
             progress(epoch, total / max(steps, 1))
     return {"loss": total / max(steps, 1), "steps": steps, "samples": len(loader.dataset)}

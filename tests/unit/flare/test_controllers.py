@@ -149,7 +149,44 @@ def test_best_global_follows_weighted_validation(tmp_path, monkeypatch):
 
 
 def test_check_update_reasons():
-    ref = {"w": torch.zeros(2)}
-    assert check_update("s", {"global.w": torch.ones(2)}, ref) is None
-    assert "unexpected" in check_update("s", {"global.v": torch.ones(2)}, ref)
-    assert "Inf" in check_update("s", {"global.w": torch.tensor([1.0, float("inf")])}, ref)
+    ref = {"global.w": torch.zeros(2)}
+    assert check_update({"global.w": torch.ones(2)}, ref) is None
+    assert "unexpected" in check_update({"global.v": torch.ones(2)}, ref)
+    assert "shape" in check_update({"global.w": torch.ones(3)}, ref)
+    assert "Inf" in check_update({"global.w": torch.tensor([1.0, float("inf")])}, ref)
+
+
+def test_fedsm_sends_each_site_only_its_own_personalized_model_and_label(tmp_path, monkeypatch):
+    from pflseg.algorithms.softpull import softpull
+
+    ctrl = make("fedsm", tmp_path, monkeypatch)
+    ctrl.person = {s: scaled(ctrl.global_state, i + 1.0) for i, s in enumerate(ctrl.sites)}
+    n = {"site-1": 1, "site-2": 1, "site-3": 2}
+
+    def reply(site, data):
+        params = dict(data.params)
+        params.update({f"moment.0.exp_avg": torch.full_like(ctrl.moment_ref["moment.0.exp_avg"], float(n[site]))})
+        return FLModel(params=params, metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": n[site]})
+
+    before = {s: dict(p) for s, p in ctrl.person.items()}
+    stub = Stub(ctrl, reply)
+    ctrl.round(0)
+    key = next(k for k, v in ctrl.global_state.items() if v.is_floating_point() and v.abs().sum() > 0)
+    for k, (_, site, data) in enumerate(stub.sent):
+        assert data.meta["selector_label"] == k
+        assert torch.equal(unprefixed("person", data.params)[key], before[site][key])  # its own, nobody else's
+    assert ctrl.moments["0.exp_avg"].flatten()[0].item() == pytest.approx(0.25 * 1 + 0.25 * 1 + 0.5 * 2)
+    expected = softpull([before[s] for s in ctrl.sites], ctrl.cfg["fedsm"]["lam"])
+    for k, s in enumerate(ctrl.sites):
+        assert torch.allclose(ctrl.person[s][key], expected[k][key])
+
+
+def test_fedsm_site_that_drops_out_keeps_its_personalized_model(tmp_path, monkeypatch):
+    ctrl = make("fedsm", tmp_path, monkeypatch)
+    ctrl.person["site-3"] = scaled(ctrl.global_state, 5.0)
+    kept = dict(ctrl.person["site-3"])
+    Stub(ctrl, lambda site, data: None if site == "site-3" else
+         FLModel(params=data.params, metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": 1}))
+    ctrl.round(0)
+    assert "site-3" in ctrl.missing
+    assert all(torch.equal(ctrl.person["site-3"][k], kept[k]) for k in kept)

@@ -3,6 +3,7 @@
 from pflseg.flare.controllers.centralized import CentralizedController
 from pflseg.flare.controllers.fedavg import FedAvgController
 from pflseg.flare.controllers.fedbn import FedBNController
+from pflseg.flare.controllers.fedsm import FedSMController
 from pflseg.flare.controllers.local import LocalController
 
 CONTROLLERS = {
@@ -11,6 +12,7 @@ CONTROLLERS = {
     "fedbn": FedBNController,
     "local": LocalController,
     "centralized": CentralizedController,
+    "fedsm": FedSMController,
 }
 
-__all__ = ["CONTROLLERS", "CentralizedController", "FedAvgController", "FedBNController", "LocalController"]
+__all__ = ["CONTROLLERS", "CentralizedController", "FedAvgController", "FedBNController", "FedSMController", "LocalController"]

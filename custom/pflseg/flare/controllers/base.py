@@ -29,16 +29,19 @@ class RoundError(RuntimeError):
     """Too few sites answered a task."""
 
 
-def check_update(site: str, params: dict, reference: dict, prefix: str = "global") -> str | None:
-    """Why a site's update cannot be used (unknown key, wrong shape, NaN/Inf), or None if it is fine."""
+def check_update(params: dict, reference: dict) -> str | None:
+    """Why a site's update cannot be used (unknown key, wrong shape, NaN/Inf), or None if it is fine.
+
+    ``reference`` maps every key a site may send (flat, prefixed: "global.x", "person.x", ...) to a tensor
+    of the expected shape.
+    """
     for key, value in params.items():
-        name = key.split(".", 1)[1] if key.startswith(prefix + ".") else None
-        if name is None or name not in reference:
+        if key not in reference:
             return f"unexpected key '{key}'"
         if not torch.is_tensor(value):
             return f"'{key}' is {type(value).__name__}, not a tensor"
-        if tuple(value.shape) != tuple(reference[name].shape):
-            return f"'{key}' has shape {tuple(value.shape)}, expected {tuple(reference[name].shape)}"
+        if tuple(value.shape) != tuple(reference[key].shape):
+            return f"'{key}' has shape {tuple(value.shape)}, expected {tuple(reference[key].shape)}"
         if value.is_floating_point() and not torch.isfinite(value).all():
             return f"'{key}' contains NaN or Inf"
     return None
@@ -47,7 +50,6 @@ def check_update(site: str, params: dict, reference: dict, prefix: str = "global
 class RoundController(ModelController):
     """Base of every pflseg workflow: ``run()`` = restore, rounds, final test, results."""
 
-    #: prefix of the global model in messages; "" for methods without one
     def __init__(self, config: dict, task_check_period: float = 0.2):
         super().__init__(persistor_id="", ignore_result_error=True, task_check_period=task_check_period)
         self.config = config
@@ -63,7 +65,11 @@ class RoundController(ModelController):
             return
         self.store = RoundStore(state_dir("server", self.cfg["name"]))
         self.missing: dict[str, str] = {}
-        start = self.restore()
+        try:
+            start = self.restore()
+        except (ValueError, RuntimeError) as exc:  # bad method settings for this federation, corrupt checkpoint
+            self.panic(str(exc))
+            return
         for r in range(start, self.cfg["rounds"]):
             t0 = time.time()
             self.info(f"round {r + 1}/{self.cfg['rounds']}: sites {self.sites}")
@@ -148,7 +154,7 @@ class RoundController(ModelController):
             elif res.meta.get("pflseg_error"):
                 reason = res.meta["pflseg_error"]
             elif reference is not None:
-                reason = check_update(site, res.params or {}, reference)
+                reason = check_update(res.params or {}, reference)
             if reason:
                 self.error(f"{task}: site {site} left out of this round: {reason}")
                 self.missing[site] = reason
@@ -163,15 +169,15 @@ class RoundController(ModelController):
         return usable
 
     # ---- end of training ------------------------------------------------------------------------
-    def final_params(self) -> dict:
-        """What the final validate/test tasks carry (the global model; empty for methods without one)."""
+    def final_params(self, site: str) -> dict:
+        """What the final validate task carries to ``site`` (the global model; empty for methods without one)."""
         return prefixed("global", self.global_state)
 
     def finish(self) -> None:
         last = self.cfg["rounds"]
         try:
-            val = self.send_each("validate", {s: self.message(last, self.final_params()) for s in self.sites})
-            if self.final_params():
+            val = self.send_each("validate", {s: self.message(last, self.final_params(s)) for s in self.sites})
+            if self.final_params(self.sites[0]):
                 self.track_best(last, val, self.global_state)
             best = prefixed("global", self.best_state) if self.best_state else {}
             tested = self.send_each("test", {s: self.message(last, best) for s in self.sites})

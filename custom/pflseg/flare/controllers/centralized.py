@@ -13,8 +13,8 @@ from pflseg.flare.state import prefixed, unprefixed
 class CentralizedController(RoundController):
     def round(self, r: int) -> dict:
         pool = self.sites[0]
-        results = self.send_each("train", {pool: self.message(r, prefixed("global", self.global_state))},
-                                 reference=self.global_state)
+        sent = prefixed("global", self.global_state)
+        results = self.send_each("train", {pool: self.message(r, sent)}, reference=sent)
         self.track_best(r, results, self.global_state)
         self.global_state = {**self.global_state, **unprefixed("global", results[pool].params)}
         return {pool: results[pool].metrics.get("compute_seconds", 0.0)}

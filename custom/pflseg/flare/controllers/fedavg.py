@@ -18,8 +18,8 @@ class FedAvgController(RoundController):
 
     def round(self, r: int) -> dict:
         keys = self.shared_keys()
-        sent = {k: self.global_state[k] for k in keys}
-        results = self.send_each("train", {s: self.message(r, prefixed("global", sent)) for s in self.sites}, reference=sent)
+        sent = prefixed("global", {k: self.global_state[k] for k in keys})
+        results = self.send_each("train", {s: self.message(r, sent) for s in self.sites}, reference=sent)
         self.track_best(r, results, self.global_state)
         states = [unprefixed("global", res.params) for res in results.values()]
         weights = [res.meta["NUM_STEPS_CURRENT_ROUND"] for res in results.values()]

@@ -16,5 +16,5 @@ class LocalController(RoundController):
         self.round_metrics = {"val_dice": {s: res.metrics["val_dice"] for s, res in results.items()}}
         return {s: res.metrics.get("compute_seconds", 0.0) for s, res in results.items()}
 
-    def final_params(self) -> dict:
+    def final_params(self, site: str) -> dict:
         return {}
