@@ -35,11 +35,22 @@ def server_state(ws, name):
     return store.load(store.latest())
 
 
+def tensors_of(obj, prefix=""):
+    """Every tensor inside nested dicts / lists, by path."""
+    if torch.is_tensor(obj):
+        return {prefix: obj}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else []
+    out = {}
+    for k, v in items:
+        out.update(tensors_of(v, f"{prefix}/{k}"))
+    return out
+
+
 def assert_same_states(a: dict, b: dict):
-    tensors = [k for k, v in a.items() if torch.is_tensor(v)]
-    assert tensors and set(tensors) == {k for k, v in b.items() if torch.is_tensor(v)}
-    for k in tensors:
-        assert torch.equal(a[k], b[k]), k
+    ta, tb = tensors_of(a), tensors_of(b)
+    assert ta and set(ta) == set(tb)
+    for k in ta:
+        assert torch.equal(ta[k], tb[k]), k
 
 
 @pytest.mark.parametrize("name", job_names())
