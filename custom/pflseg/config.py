@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-METHODS = ("fedavg", "fedprox", "fedbn", "local", "centralized", "fedsm")
+METHODS = ("fedavg", "fedprox", "fedbn", "local", "centralized", "fedsm", "fedsm_infer")
 #: methods whose model for a site is the server's global model (the others give each site its own)
 GLOBAL_METHODS = ("fedavg", "fedprox", "centralized")
 
@@ -95,6 +95,8 @@ def validate(cfg: Mapping, source: str = "config") -> None:
         raise ConfigError(f"{source}: fedsm.lam and fedsm.gamma must lie in [0, 1], got {fedsm['lam']}, {fedsm['gamma']}")
     if fedsm["selector"] not in ("compact", "vgg11") or fedsm["selector_steps"] not in ("epoch", "batch"):
         raise ConfigError(f"{source}: fedsm.selector must be compact|vgg11 and fedsm.selector_steps epoch|batch")
+    if fedsm["extra_rounds"] < 0 or any(not 0.0 <= g <= 1.0 for g in fedsm["gammas"]):
+        raise ConfigError(f"{source}: fedsm.extra_rounds must be >= 0 and every fedsm.gammas value in [0, 1]")
     if cfg["fedprox"]["mu"] < 0:
         raise ConfigError(f"{source}: fedprox.mu must be >= 0, got {cfg['fedprox']['mu']}")
 

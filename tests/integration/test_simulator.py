@@ -26,6 +26,8 @@ def data(tmp_path_factory):
 
 
 def run(name, ws, data, sites=2, threads=None, **over):
+    if name == "fedsm_extra":
+        over.setdefault("fedsm", {"extra_rounds": 1})
     job = export_job(name, ws / "jobs", overrides={**TINY, **over})
     return run_simulator(job, ws, n_sites=sites, threads=threads, data=data, progress=lambda m: None)
 
@@ -53,22 +55,22 @@ def assert_same_states(a: dict, b: dict):
         assert torch.equal(ta[k], tb[k]), k
 
 
-@pytest.mark.parametrize("name", job_names())
+@pytest.mark.parametrize("name", [n for n in job_names() if n != "fedsm_infer"])
 def test_job_completes_with_per_site_test_dice(name, tmp_path, data):
     res = run(name, tmp_path, data)
     assert res["sites"] == ["site-1", "site-2"] and not res["missing"]
-    assert [h["round"] for h in res["history"]] == [0, 1]
+    assert [h["round"] for h in res["history"]] == ([0, 1, 2] if name == "fedsm_extra" else [0, 1])  # + 1 extra
     for site in res["sites"]:
         test = res["test"][site]
         assert 0.0 <= test["site"]["dice"] <= 1.0 and test["site"]["n_cases"] >= 1
-        if name in ("fedavg", "fedprox", "centralized", "fedsm"):
+        if name in ("fedavg", "fedprox", "centralized", "fedsm", "fedsm_extra"):
             assert 0.0 <= test["global"]["dice"] <= 1.0
     run_dir = tmp_path / "sim" / "server" / "simulate_job"
     assert (run_dir / "results.json").is_file()  # in the FLARE run dir too (downloaded with the job)
     assert {p.name for p in (run_dir / "tb_events").iterdir()} == {"site-1", "site-2"}  # TensorBoard via FLARE
 
 
-@pytest.mark.parametrize("name", ["fedbn", "local", "fedsm"])
+@pytest.mark.parametrize("name", ["fedbn", "fedsm"])
 def test_one_thread_equals_three_threads(name, tmp_path, data):
     one = run(name, tmp_path / "t1", data, sites=3, threads=1)
     three = run(name, tmp_path / "t3", data, sites=3, threads=3)
@@ -80,13 +82,14 @@ def test_one_thread_equals_three_threads(name, tmp_path, data):
         assert_same_states(a.load(a.latest()), b.load(b.latest()))
 
 
-def test_resumed_run_equals_uninterrupted(tmp_path, data):
-    straight = run("fedprox", tmp_path / "straight", data, rounds=3)
-    run("fedprox", tmp_path / "resumed", data, rounds=1)
-    resumed = run("fedprox", tmp_path / "resumed", data, rounds=3, resume=True)
+@pytest.mark.parametrize("name", ["fedprox", "fedsm"])
+def test_resumed_run_equals_uninterrupted(name, tmp_path, data):
+    straight = run(name, tmp_path / "straight", data, rounds=3)
+    run(name, tmp_path / "resumed", data, rounds=1)
+    resumed = run(name, tmp_path / "resumed", data, rounds=3, resume=True)
     assert [h["round"] for h in resumed["history"]] == [0, 1, 2]
     assert resumed["test"] == straight["test"]
-    assert_same_states(server_state(tmp_path / "straight", "fedprox"), server_state(tmp_path / "resumed", "fedprox"))
+    assert_same_states(server_state(tmp_path / "straight", name), server_state(tmp_path / "resumed", name))
 
 
 def test_embedded_synthetic_default_when_no_data_configured(tmp_path):
@@ -115,3 +118,27 @@ def test_python_job_py_route_with_simenv(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     res = json.loads((tmp_path / "state" / "server" / "local" / "results.json").read_text())
     assert sorted(res["test"]) == ["site-1", "site-2"]
+
+
+@pytest.mark.parametrize("trained", ["fedsm", "fedsm_extra"])
+def test_fedsm_inference_at_inside_and_outside_sites(trained, tmp_path, data):
+    run(trained, tmp_path / "train", data)
+    bundle = tmp_path / "train" / "state" / "server" / trained
+    res = run("fedsm_infer", tmp_path / "infer", data, sites=3, fedsm={"bundle": str(bundle)})
+    assert res["inside_sites"] == ["site-1", "site-2"] and sorted(res["infer"]) == ["site-1", "site-2", "site-3"]
+    outside, inside = res["infer"]["site-3"], res["infer"]["site-1"]
+    assert outside["personalized"] is None and inside["personalized"] is not None
+    routes = ["extra"] if trained == "fedsm_extra" else [str(g) for g in (0.0, 0.5, 0.9, 0.99, 1.0)]
+    for site in res["infer"].values():
+        assert sorted(site["super"]) == sorted(routes)
+        for route in site["super"].values():
+            assert abs(sum(route["selection"]) - 1) < 1e-6 and 0 <= route["dice"] <= 1
+    if trained == "fedsm":  # gamma = 1 is the global model
+        assert outside["super"]["1.0"]["dice"] == outside["global"]["dice"]
+    assert list((tmp_path / "infer" / "state" / "site-3" / "fedsm_infer" / "predictions").glob("*.nii.gz"))
+
+
+def test_fedsm_inference_without_bundle_fails_clearly(tmp_path, data):
+    with pytest.raises(RuntimeError, match="did not finish"):
+        run("fedsm_infer", tmp_path, data, fedsm={"bundle": str(tmp_path / "none")})
+    assert "holds no FedSM checkpoint" in (tmp_path / "sim" / "server" / "log.txt").read_text()

@@ -3,7 +3,7 @@
 from pflseg.flare.controllers.centralized import CentralizedController
 from pflseg.flare.controllers.fedavg import FedAvgController
 from pflseg.flare.controllers.fedbn import FedBNController
-from pflseg.flare.controllers.fedsm import FedSMController
+from pflseg.flare.controllers.fedsm import FedSMController, FedSMInferenceController
 from pflseg.flare.controllers.local import LocalController
 
 CONTROLLERS = {
@@ -13,6 +13,7 @@ CONTROLLERS = {
     "local": LocalController,
     "centralized": CentralizedController,
     "fedsm": FedSMController,
+    "fedsm_infer": FedSMInferenceController,
 }
 
 __all__ = ["CONTROLLERS", "CentralizedController", "FedAvgController", "FedBNController", "FedSMController", "LocalController"]

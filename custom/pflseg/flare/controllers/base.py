@@ -70,9 +70,9 @@ class RoundController(ModelController):
         except (ValueError, RuntimeError) as exc:  # bad method settings for this federation, corrupt checkpoint
             self.panic(str(exc))
             return
-        for r in range(start, self.cfg["rounds"]):
+        for r in range(start, self.n_rounds()):
             t0 = time.time()
-            self.info(f"round {r + 1}/{self.cfg['rounds']}: sites {self.sites}")
+            self.info(f"round {r + 1}/{self.n_rounds()}: sites {self.sites}")
             try:
                 compute = self.round(r)
             except RoundError as exc:
@@ -90,6 +90,9 @@ class RoundController(ModelController):
     def round(self, r: int) -> dict:
         """Run round ``r``: send, collect, aggregate. Returns per-site compute seconds."""
         raise NotImplementedError
+
+    def n_rounds(self) -> int:
+        return self.cfg["rounds"]
 
     # ---- state ----------------------------------------------------------------------------------
     def initial_state(self) -> dict:
@@ -126,7 +129,7 @@ class RoundController(ModelController):
     # ---- messaging ------------------------------------------------------------------------------
     def message(self, r: int, params: dict | None = None, **meta) -> FLModel:
         return FLModel(params=params or {}, params_type=ParamsType.FULL, current_round=r,
-                       total_rounds=self.cfg["rounds"], meta={"pflseg": self.cfg, "sites": self.sites, **meta})
+                       total_rounds=self.n_rounds(), meta={"pflseg": self.cfg, "sites": self.sites, **meta})
 
     def send_each(self, task: str, payloads: dict[str, FLModel], reference: dict | None = None) -> dict[str, FLModel]:
         """Send each site its own payload; wait; return usable results by site (sorted).
@@ -174,7 +177,7 @@ class RoundController(ModelController):
         return prefixed("global", self.global_state)
 
     def finish(self) -> None:
-        last = self.cfg["rounds"]
+        last = self.n_rounds()
         try:
             val = self.send_each("validate", {s: self.message(last, self.final_params(s)) for s in self.sites})
             if self.final_params(self.sites[0]):

@@ -14,14 +14,28 @@ moments. See ../shared/reference/ALGORITHMS.md section 1.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
+from nvflare.app_opt.pt.decomposers import TensorDecomposer
+from nvflare.fuel.utils import fobs
 
 from pflseg.algorithms.fedavg import weighted_average
 from pflseg.algorithms.fedsm import average_moments
 from pflseg.algorithms.softpull import check_lam, softpull
-from pflseg.flare.controllers.base import RoundController
-from pflseg.flare.state import prefixed, unprefixed
+from pflseg.config import check_effective
+from pflseg.flare.controllers.base import RoundController, RoundError
+from pflseg.flare.state import RoundStore, prefixed, state_dir, unprefixed
 from pflseg.nets.selector import build_selector, selector_cfg
+
+
+def moment_reference(selector) -> dict:
+    """Expected keys and shapes of the selector's flattened Adam moments in a site's answer."""
+    ref = {}
+    for i, (_, p) in enumerate(selector.named_parameters()):
+        ref.update({f"moment.{i}.exp_avg": p, f"moment.{i}.exp_avg_sq": p, f"moment.{i}.step": torch.zeros(())})
+    return ref
 
 
 class FedSMController(RoundController):
@@ -31,11 +45,11 @@ class FedSMController(RoundController):
         torch.manual_seed(self.cfg["seed"])
         selector = build_selector(selector_cfg(self.cfg, len(self.sites)))
         self.selector = {k: v.detach().clone() for k, v in selector.state_dict().items()}
-        self.moment_ref = {}
-        for i, (_, p) in enumerate(selector.named_parameters()):
-            self.moment_ref.update({f"moment.{i}.exp_avg": p, f"moment.{i}.exp_avg_sq": p, f"moment.{i}.step": torch.zeros(())})
+        self.moment_ref = moment_reference(selector)
         self.person = {s: dict(self.global_state) for s in self.sites}
         self.moments: dict = {}
+        if start > self.cfg["rounds"]:  # resuming inside the extra phase: the selector has K + 1 classes
+            self.moment_ref = moment_reference(build_selector(selector_cfg(self.cfg, len(self.sites) + 1)))
         if start > 0:
             ckpt = self.store.load(start - 1)
             self.selector = unprefixed("select", ckpt)
@@ -47,7 +61,12 @@ class FedSMController(RoundController):
         person = {k: v for s in self.sites for k, v in prefixed(f"person.{s}", self.person[s]).items()}
         return {**super().checkpoint(r), **prefixed("select", self.selector), **prefixed("moment", self.moments), **person}
 
+    def n_rounds(self) -> int:
+        return self.cfg["rounds"] + self.cfg["fedsm"]["extra_rounds"]
+
     def round(self, r: int) -> dict:
+        if r >= self.cfg["rounds"]:
+            return self.extra_round(r)
         common = {**prefixed("global", self.global_state), **prefixed("select", self.selector), **prefixed("moment", self.moments)}
         payloads = {s: self.message(r, {**common, **prefixed("person", self.person[s])}, selector_label=k)
                     for k, s in enumerate(self.sites)}
@@ -64,5 +83,59 @@ class FedSMController(RoundController):
         self.person = {s: (mixed[k] if s in trained else self.person[s]) for k, s in enumerate(self.sites)}
         return {s: res.metrics.get("compute_seconds", 0.0) for s, res in results.items()}
 
+    def extra_round(self, r: int) -> dict:
+        """FedSM-extra: only the (K+1)-class selector trains; every site gets all personalized models."""
+        if r == self.cfg["rounds"]:  # a fresh selector over {global, personalized 1..K}, fresh moments
+            torch.manual_seed(self.cfg["seed"] + 1)
+            selector = build_selector(selector_cfg(self.cfg, len(self.sites) + 1))
+            self.selector, self.moments = {k: v.detach().clone() for k, v in selector.state_dict().items()}, {}
+            self.moment_ref = moment_reference(selector)
+        person = {k: v for s in self.sites for k, v in prefixed(f"person.{s}", self.person[s]).items()}
+        payload = {**prefixed("global", self.global_state), **person, **prefixed("select", self.selector),
+                   **prefixed("moment", self.moments)}
+        results = self.send_each("train_selector", {s: self.message(r, payload) for s in self.sites},
+                                 reference={**prefixed("select", self.selector), **self.moment_ref})
+        weights = [res.meta["NUM_STEPS_CURRENT_ROUND"] for res in results.values()]
+        self.selector = weighted_average([unprefixed("select", res.params) for res in results.values()], weights)
+        self.moments = average_moments([unprefixed("moment", res.params) for res in results.values()], weights)
+        self.round_metrics = {"selector_loss": {s: res.metrics["selector_loss"] for s, res in results.items()}}
+        return {s: res.metrics.get("compute_seconds", 0.0) for s, res in results.items()}
+
     def final_params(self, site: str) -> dict:
         return {**prefixed("global", self.global_state), **prefixed("person", self.person[site])}
+
+
+class FedSMInferenceController(RoundController):
+    """Post-training job: hand the trained super model to every connected site (inside sites and sites that
+    never trained) and collect, per site, the test Dice of the global, own personalized (inside sites only)
+    and super model for every gamma, with how often each model was chosen."""
+
+    def run(self) -> None:
+        fobs.register(TensorDecomposer)
+        self.cfg = check_effective(self.config, "server job config")
+        self.sites, self.missing, self.history = sorted(self.sample_clients()), {}, []
+        self.store = RoundStore(state_dir("server", self.cfg["name"]))
+        bundle = RoundStore(self.cfg["fedsm"]["bundle"])
+        if not self.cfg["fedsm"]["bundle"] or bundle.latest() is None:
+            self.panic(f"fedsm.bundle={self.cfg['fedsm']['bundle']!r} holds no FedSM checkpoint (round_NNNN.pt); "
+                       "set it to the trained run's server state folder, e.g. runs/fedsm/state/server/fedsm")
+            return
+        ckpt = bundle.load(bundle.latest())
+        inside = sorted({k.split(".")[1] for k in ckpt if k.startswith("person.")})
+        person = {k: v for k, v in ckpt.items() if k.startswith("person.")}
+        best = unprefixed("best", ckpt) or unprefixed("global", ckpt)
+        payload = {**prefixed("global", best), **person, **prefixed("select", unprefixed("select", ckpt))}
+        self.info(f"super model from {bundle.path(bundle.latest())}: inside sites {inside}; sending to {self.sites}")
+        try:
+            res = self.send_each("infer", {s: self.message(0, payload, inside_sites=inside) for s in self.sites})
+        except RoundError as exc:
+            self.panic(str(exc))
+            return
+        results = {"job": self.cfg["name"], "method": self.cfg["method"], "sites": self.sites, "inside_sites": inside,
+                   "bundle": str(bundle.path(bundle.latest())), "missing": self.missing, "history": [],
+                   "infer": {s: r.metrics["infer"] for s, r in res.items()}, "config": self.cfg}
+        text = json.dumps(results, indent=1, sort_keys=True)
+        for folder in (self.store.root, Path(self.get_run_dir())):
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "results.json").write_text(text)
+        self.info(f"results written to {self.store.root / 'results.json'}")

@@ -19,9 +19,15 @@ from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 
 from pflseg.algorithms.fedbn import norm_keys
 from pflseg.algorithms.fedprox import proximal_term
-from pflseg.algorithms.fedsm import flatten_optimizer_state, unflatten_optimizer_state
+from pflseg.algorithms.fedsm import (
+    flatten_optimizer_state,
+    selector_labels_extra,
+    selector_labels_fedsm,
+    unflatten_optimizer_state,
+)
 from pflseg.config import check_effective
-from pflseg.data import DataError, pooled_dataset, site_dataset
+from pflseg.data import DataError, load_dataset_info, pooled_dataset, site_dataset
+from pflseg.eval.fedsm_inference import evaluate_super_model
 from pflseg.flare.site import resolve_data, site_settings
 from pflseg.flare.state import RoundStore, load_file, prefixed, save_file, state_dir, unprefixed
 from pflseg.nets import build_net
@@ -157,42 +163,94 @@ class Site:
         stats, optim_g = self._fit(glob, "global", prev, seed)
         _, optim_p = self._fit(person, "person", prev, seed)
         selector = build_selector(selector_cfg(cfg, len(self.sites)))
-        selector.load_state_dict(unprefixed("select", msg.params))
         label = int(msg.meta["selector_label"])
-        moments = unprefixed("moment", msg.params)
-        sel_opt = torch.optim.Adam(selector.parameters(), lr=cfg["fedsm"]["selector_lr"])
-        if moments:
-            sel_opt.load_state_dict(unflatten_optimizer_state(moments, sel_opt.state_dict()["param_groups"]))
-        per_epoch = cfg["fedsm"]["selector_steps"] == "epoch"
-        ce = torch.nn.CrossEntropyLoss(reduction="sum" if per_epoch else "mean")
-
-        def selector_step(model, batch, optimizer, _):
-            if not per_epoch:
-                optimizer.zero_grad(set_to_none=True)
-            logits = model(batch["image"])
-            loss = ce(logits, torch.full((logits.shape[0],), label, device=logits.device))
-            loss.backward()
-            if not per_epoch:
-                optimizer.step()
-            return float(loss.detach())
-
-        def full_batch_step(model, optimizer):  # one step per epoch over the summed gradients (reference code)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        hooks = Hooks(step=selector_step, epoch_end=full_batch_step if per_epoch else None)
-        sel_opt.zero_grad(set_to_none=True)
-        loader = make_loader(self.data("training"), cfg["train"]["batch_size"], shuffle=True, seed=seed)
-        sel_stats = train_epochs(selector, loader, sel_opt, None, cfg["train"]["epochs"], self.device, hooks)
+        sel_stats, sel_params = self._train_selector(
+            selector, lambda batch: selector_labels_fedsm(label, batch["image"].shape[0], len(self.sites)), msg, seed)
         train_s = time.time() - t0
-        cpu = lambda m: {k: v.detach().cpu().clone() for k, v in m.state_dict().items()}  # noqa: E731
         self.store.save(r, {"round": r, "optim.global": optim_g, "optim.person": optim_p})
-        params = {**prefixed("global", cpu(glob)), **prefixed("person", cpu(person)), **prefixed("select", cpu(selector)),
-                  **prefixed("moment", flatten_optimizer_state(sel_opt.state_dict()))}
+        params = {**prefixed("global", _cpu(glob)), **prefixed("person", _cpu(person)), **sel_params}
         metrics = {"val_dice": val_g["dice"], "val_dice_person": val_p["dice"], "train_loss": stats["loss"],
                    "selector_loss": sel_stats["loss"], "train_seconds": train_s, "n_samples": stats["samples"]}
         return FLModel(params=params, params_type=ParamsType.FULL, metrics=metrics,
                        meta={"NUM_STEPS_CURRENT_ROUND": stats["samples"], "site": self.name})
+
+    def _train_selector(self, selector, labels_of, msg: FLModel, seed: int) -> tuple[dict, dict]:
+        """Train ``selector`` with cross-entropy against ``labels_of(batch)``, Adam moments from the server's
+        average; full-batch (one step per epoch over summed gradients) or per-batch steps."""
+        cfg = self.cfg
+        selector.load_state_dict(unprefixed("select", msg.params))
+        optimizer = torch.optim.Adam(selector.parameters(), lr=cfg["fedsm"]["selector_lr"])
+        moments = unprefixed("moment", msg.params)
+        if moments:
+            optimizer.load_state_dict(unflatten_optimizer_state(moments, optimizer.state_dict()["param_groups"]))
+        per_epoch = cfg["fedsm"]["selector_steps"] == "epoch"
+        ce = torch.nn.CrossEntropyLoss(reduction="sum" if per_epoch else "mean")
+
+        def step(model, batch, opt, _):
+            if not per_epoch:
+                opt.zero_grad(set_to_none=True)
+            loss = ce(model(batch["image"]), labels_of(batch).to(batch["image"].device))
+            loss.backward()
+            if not per_epoch:
+                opt.step()
+            return float(loss.detach())
+
+        def full_batch_step(model, opt):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        optimizer.zero_grad(set_to_none=True)
+        loader = make_loader(self.data("training"), cfg["train"]["batch_size"], shuffle=True, seed=seed)
+        hooks = Hooks(step=step, epoch_end=full_batch_step if per_epoch else None)
+        stats = train_epochs(selector, loader, optimizer, None, cfg["train"]["epochs"], self.device, hooks)
+        return stats, {**prefixed("select", _cpu(selector)), **prefixed("moment", flatten_optimizer_state(optimizer.state_dict()))}
+
+    def train_selector(self, msg: FLModel) -> FLModel:
+        """FedSM-extra round: label each training sample with the candidate model (0 = global, k + 1 =
+        personalized model of site k) of lowest segmentation loss on it, and train the (K+1)-class selector."""
+        seed = derive_seed(self.cfg["seed"], self.name, msg.current_round)
+        seed_everything(seed)
+        candidates = []  # 0 = global, k + 1 = personalized model of site k
+        for prefix in ["global"] + [f"person.{site}" for site in self.sites]:
+            net = build_net(self.cfg["net"])
+            net.load_state_dict(unprefixed(prefix, msg.params))
+            candidates.append(net.to(self.device).eval())
+        per_sample = build_loss(self.cfg["train"]["loss"], reduction="none")
+
+        @torch.no_grad()
+        def labels_of(batch):
+            losses = [per_sample(m(batch["image"]), batch["label"]).flatten(1).mean(1) for m in candidates]
+            return selector_labels_extra(torch.stack(losses, dim=1).cpu())
+
+        t0 = time.time()
+        selector = build_selector(selector_cfg(self.cfg, len(self.sites) + 1))
+        stats, params = self._train_selector(selector, labels_of, msg, seed)
+        metrics = {"selector_loss": stats["loss"], "train_seconds": time.time() - t0}
+        return FLModel(params=params, params_type=ParamsType.FULL, metrics=metrics,
+                       meta={"NUM_STEPS_CURRENT_ROUND": stats["samples"], "site": self.name})
+
+    def infer(self, msg: FLModel) -> FLModel:
+        """FedSM super model at this site (inside or outside the federation): route every test image through
+        the selector, score global / own personalized / super model for every gamma, write predictions."""
+        inside = list(msg.meta["inside_sites"])
+        models = []
+        for prefix in ["global"] + [f"person.{site}" for site in inside]:
+            net = build_net(self.cfg["net"])
+            net.load_state_dict(unprefixed(prefix, msg.params))
+            models.append(net)
+        select = unprefixed("select", msg.params)
+        classes = [v for v in select.values() if v.ndim == 2][-1].shape[0]  # the head's output size
+        extra = classes == len(inside) + 1
+        selector = build_selector(selector_cfg(self.cfg, classes))
+        selector.load_state_dict(select)
+        fedsm = self.cfg["fedsm"]
+        result = evaluate_super_model(
+            models[0], models[1:], selector, self.data("testing"), self.device, gammas=fedsm["gammas"],
+            own_index=inside.index(self.name) if self.name in inside else None, extra=extra,
+            batch_size=self.cfg["train"]["eval_batch_size"], out_dir=self.store.root / "predictions",
+            save_gamma=fedsm["gamma"], label_encoding=load_dataset_info(self.root)["label_encoding"])
+        result["inside"] = self.name in inside
+        return FLModel(params={}, metrics={"infer": result}, meta={"site": self.name})
 
     def validate(self, msg: FLModel) -> FLModel:
         model = self.current_model(msg.params, msg.current_round)
@@ -223,6 +281,10 @@ class Site:
         return FLModel(params=prefixed("site", unprefixed("model", best)), meta={"site": self.name, "round": best["round"]})
 
 
+def _cpu(model) -> dict:
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
 def main() -> None:
     import nvflare.client as flare
     from nvflare.client.tracking import SummaryWriter
@@ -240,7 +302,8 @@ def main() -> None:
             if site is None:
                 cfg = check_effective(msg.meta["pflseg"], "job config sent by the server")
                 site = Site(name, cfg, msg.meta["sites"])
-            handler = {"train": site.train, "validate": site.validate, "test": site.test, "submit_model": site.submit_model}.get(task)
+            handler = {"train": site.train, "validate": site.validate, "test": site.test, "submit_model": site.submit_model,
+                       "train_selector": site.train_selector, "infer": site.infer}.get(task)
             if handler is None:
                 raise ValueError(f"site {name}: unknown task '{task}'")
             t0 = time.time()

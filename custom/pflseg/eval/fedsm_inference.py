@@ -1,0 +1,288 @@
+"""FedSM inference (Algorithm 2): the super model scored and its predictions written, per site.
+
+The trained super model is (w_g, {w_p,k}, w_s). For every test sample x::
+
+    s = softmax(f_s(w_s; x));  prediction = f(w_p,argmax(s); x) if max(s) > gamma else f(w_g; x)
+
+(``pflseg.algorithms.fedsm.route``). FedSM-extra uses a (K+1)-way selector whose argmax names the model
+directly, class 0 being the global one (``route_extra``); no gamma.
+
+One pass over the dataset (in order, no shuffle) computes the selector's probabilities and the
+``sigmoid(logits) > 0.5`` predictions of the models that any routing rule (or the report) needs for the
+batch; every gamma is then a choice of already computed predictions. Dice is per case: a case's slices
+are stacked in slice order into a (C, H, W, D) volume and scored by ``pflseg.train.evaluate.dice_scores``
+(the project's one Dice). Only samples with ``has_label`` count for Dice; selection frequencies count
+every sample. See ../shared/reference/ALGORITHMS.md section 1.
+
+Written predictions (``out_dir``): one file per case, the super model's prediction at ``save_gamma`` (or
+the extra route). A case of several slices -> ``<case>.nii.gz``, uint8 (H, W, D), identity affine; a
+single-slice case -> ``<case>.png``, uint8 (H, W). Pixel value = class index: for the ``nested`` label
+encoding it is the *channel sum* (the number of positive channels: fundus 0 = background, 1 = disc
+rim, 2 = cup); for ``exclusive`` it is c + 1 of the highest positive channel c (0 where none).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from pflseg.algorithms.fedsm import GLOBAL, route, route_extra
+from pflseg.train.evaluate import dice_scores
+from pflseg.train.loop import make_loader
+
+#: Key of the FedSM-extra route in the result's ``"super"`` dict.
+EXTRA = "extra"
+
+#: Model key of the global model in the per-sample prediction store (personalized model k is k).
+_G = GLOBAL
+
+
+def evaluate_super_model(
+    global_model: nn.Module,
+    personalized: Sequence[nn.Module],
+    selector: nn.Module,
+    dataset: Dataset,
+    device: torch.device | str,
+    gammas: Sequence[float] = (0.0, 0.5, 0.9, 0.99, 1.0),
+    own_index: int | None = None,
+    extra: bool = False,
+    batch_size: int = 32,
+    out_dir: str | Path | None = None,
+    save_gamma: float = 0.9,
+    label_encoding: str = "nested",
+) -> dict:
+    """Score the FedSM super model (and the global / own personalized model) on one site's data.
+
+    Args:
+        global_model: w_g; image (B, C_in, H, W) -> logits (B, C, H, W).
+        personalized: the K personalized models w_p,k in site order (same input / output shapes).
+        selector: w_s; image (B, C_in, H, W) -> logits (B, K), or (B, K+1) when ``extra`` (class 0 =
+            global model, class k + 1 = personalized model k).
+        dataset: items ``{"image": (C_in, H, W), "label": (C, H, W) in {0, 1}, "case": str, "slice": int,
+            "site": str, "has_label": bool}`` (``site`` defaults to "" and ``has_label`` to True).
+        device: where the models run.
+        gammas: confidence thresholds in [0, 1] to report (ignored when ``extra``).
+        own_index: index of this site's own personalized model (an inside site); its Dice is reported
+            under ``"personalized"``. None (outside site): ``"personalized"`` is None.
+        extra: FedSM-extra routing (``route_extra``), reported under the key ``"extra"``.
+        batch_size: samples per forward pass.
+        out_dir: when given, the super model's prediction at ``save_gamma`` (or the extra route) is
+            written there per case (see the module docstring); created if missing.
+        save_gamma: the threshold whose predictions are written (config default 0.9); need not be one
+            of ``gammas``.
+        label_encoding: "nested" (written value = channel sum) or "exclusive" (c + 1 of the highest
+            positive channel), the dataset's label encoding.
+
+    Returns:
+        ``{"n_images", "n_cases", "global": {"dice", "dice_per_class", "per_case"},
+        "personalized": {...} or None, "super": {str(float(gamma)) or "extra": {"dice", "dice_per_class",
+        "per_case", "selection"}}, "predictions": str(out_dir) or None}``. ``dice`` is the mean over
+        labelled cases and classes, ``dice_per_class`` the per-class mean over labelled cases; both are
+        None (and ``per_case`` empty) when no sample has a label. ``selection`` has K + 1 fractions of
+        all samples: index 0 = global model, index k + 1 = personalized model k; they sum to 1.
+        ``n_cases`` counts all cases, labelled or not. ``per_case`` maps a case's file name (the
+        sanitised case id, see ``out_dir``) to its per-class Dice.
+
+    Raises:
+        ValueError: naming the argument: empty ``personalized`` or dataset, a gamma outside [0, 1],
+            ``own_index`` out of range, a selector output of the wrong shape, an unknown encoding.
+    """
+    num_sites = len(personalized)
+    if num_sites < 1:
+        raise ValueError("personalized: need at least one personalized model")
+    if len(dataset) == 0:
+        raise ValueError("dataset: empty dataset, nothing to evaluate")
+    if own_index is not None and (isinstance(own_index, bool) or not isinstance(own_index, int)
+                                  or not 0 <= own_index < num_sites):
+        raise ValueError(f"own_index must be None or an int in [0, {num_sites}), got {own_index!r}")
+    if label_encoding not in ("nested", "exclusive"):
+        raise ValueError(f"label_encoding={label_encoding!r}: expected 'nested' or 'exclusive'")
+    routes = [EXTRA] if extra else [_gamma_key(g, "gammas") for g in gammas]
+    if not routes:
+        raise ValueError("gammas: need at least one gamma (or extra=True)")
+    save_route = EXTRA if extra else _gamma_key(save_gamma, "save_gamma")
+    all_routes = routes + ([save_route] if out_dir is not None and save_route not in routes else [])
+
+    device = torch.device(device)
+    models = {_G: global_model, **dict(enumerate(personalized))}
+    for m in (*models.values(), selector):
+        m.to(device).eval()
+
+    # Per sample: (site, case), slice, has_label, {model key: pred (C, H, W) bool}, label, route -> choice.
+    samples: list[dict] = []
+    with torch.no_grad():
+        for batch in make_loader(dataset, batch_size, shuffle=False):
+            images = batch["image"].to(device)
+            n = images.shape[0]
+            has_label = _as_bools(batch.get("has_label"), n)
+            choices = _route_batch(selector(images), all_routes, num_sites, extra)
+            needed = [set() for _ in range(n)]  # model keys whose prediction sample i must keep
+            for i in range(n):
+                if has_label[i]:
+                    needed[i].add(_G)
+                    needed[i].update(int(choices[r][i]) for r in routes)
+                    if own_index is not None:
+                        needed[i].add(own_index)
+                if out_dir is not None:
+                    needed[i].add(int(choices[save_route][i]))
+            preds = {}
+            for key in sorted(set().union(*needed)):  # only models some sample of the batch needs
+                preds[key] = (torch.sigmoid(models[key](images)) > 0.5).cpu()
+            sites = batch.get("site", [""] * n)
+            for i in range(n):
+                samples.append({
+                    "case": (str(sites[i]), str(batch["case"][i])),
+                    "slice": int(batch["slice"][i]),
+                    "has_label": has_label[i],
+                    "preds": {k: preds[k][i] for k in needed[i]},
+                    "label": batch["label"][i] > 0.5 if has_label[i] else None,
+                    "choice": {r: int(choices[r][i]) for r in all_routes},
+                })
+
+    by_case: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for s in samples:
+        by_case[s["case"]].append(s)
+    for items in by_case.values():
+        items.sort(key=lambda s: s["slice"])
+
+    names = _case_names(list(by_case))
+    result = {
+        "n_images": len(samples),
+        "n_cases": len(by_case),
+        "global": _case_dice(by_case, names, lambda s: _G),
+        "personalized": None if own_index is None else _case_dice(by_case, names, lambda s: own_index),
+        "super": {},
+        "predictions": None,
+    }
+    for r in routes:
+        entry = _case_dice(by_case, names, lambda s, r=r: s["choice"][r])
+        entry["selection"] = _selection(samples, r, num_sites)
+        result["super"][r] = entry
+    if out_dir is not None:
+        _write_predictions(by_case, names, save_route, Path(out_dir), label_encoding)
+        result["predictions"] = str(out_dir)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------
+# Routing and scoring
+# ---------------------------------------------------------------------------------------------------
+
+
+def _gamma_key(gamma, name: str) -> str:
+    g = float(gamma)
+    if not 0.0 <= g <= 1.0:
+        raise ValueError(f"{name}: every gamma must lie in [0, 1], got {gamma!r}")
+    return str(g)
+
+
+def _route_batch(logits: torch.Tensor, route_keys: Sequence[str], num_sites: int, extra: bool) -> dict:
+    """Selector logits (B, K) or (B, K+1) -> {route key: LongTensor (B,) of choices (GLOBAL or k)}."""
+    want = num_sites + 1 if extra else num_sites
+    if logits.ndim != 2 or logits.shape[1] != want:
+        rule = "FedSM-extra needs K + 1" if extra else "FedSM needs K"
+        raise ValueError(f"selector: output must have shape (B, {want}) ({rule} classes, K = {num_sites} "
+                         f"personalized models), got {tuple(logits.shape)}")
+    probs = torch.softmax(logits.detach().float(), dim=1).cpu()
+    if extra:
+        return {EXTRA: route_extra(probs)}
+    return {r: route(probs, float(r)) for r in route_keys}
+
+
+def _case_dice(by_case: dict, names: dict, pick) -> dict:
+    """Per-case Dice of the prediction ``pick(sample)`` (a model key) over the labelled slices;
+    ``per_case`` is keyed by the case's file name (``names``)."""
+    per_case = {}
+    for case, items in by_case.items():
+        labelled = [s for s in items if s["has_label"]]
+        if not labelled:
+            continue
+        pred = torch.stack([s["preds"][pick(s)] for s in labelled], dim=-1)
+        label = torch.stack([s["label"] for s in labelled], dim=-1)
+        per_case[case] = dice_scores(pred, label)
+    if not per_case:
+        return {"dice": None, "dice_per_class": None, "per_case": {}}
+    scores = torch.stack(list(per_case.values()))
+    return {
+        "dice": float(scores.mean()),
+        "dice_per_class": [float(x) for x in scores.mean(0)],
+        "per_case": {names[c]: [float(x) for x in v] for c, v in sorted(per_case.items())},
+    }
+
+
+def _selection(samples: list[dict], route_key: str, num_sites: int) -> list[float]:
+    """Fractions of samples routed to [global, personalized 0, ..., personalized K-1]."""
+    counts = [0] * (num_sites + 1)
+    for s in samples:
+        counts[s["choice"][route_key] + 1] += 1  # GLOBAL (-1) -> index 0
+    return [c / len(samples) for c in counts]
+
+
+def _as_bools(values, n: int) -> list[bool]:
+    if values is None:
+        return [True] * n
+    if torch.is_tensor(values):
+        return [bool(v) for v in values.tolist()]
+    return [bool(v) for v in values]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Writing predictions
+# ---------------------------------------------------------------------------------------------------
+
+
+def _case_names(cases: Sequence[tuple[str, str]]) -> dict[tuple[str, str], str]:
+    """File-safe, unique names: the sanitised case id; ``<site>_<case>`` when the id repeats across
+    sites; a ``-<n>`` suffix if sanitising still collides."""
+    counts = defaultdict(int)
+    for _, case in cases:
+        counts[case] += 1
+    names, used = {}, set()
+    for site, case in sorted(cases):
+        base = _safe(case if counts[case] == 1 or not site else f"{site}_{case}")
+        name, n = base, 1
+        while name in used:
+            n += 1
+            name = f"{base}-{n}"
+        used.add(name)
+        names[(site, case)] = name
+    return names
+
+
+def _safe(text: str) -> str:
+    """Characters outside [A-Za-z0-9._-] -> '_'; no leading dot; never empty."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", text).lstrip(".")
+    return name or "case"
+
+
+def _label_map(pred: torch.Tensor, encoding: str) -> np.ndarray:
+    """Binary channels (C, ...) -> uint8 class map (...): nested = channel sum, exclusive = c + 1 of the
+    highest positive channel."""
+    p = pred.to(torch.uint8)
+    if encoding == "nested":
+        out = p.sum(0)
+    else:
+        weights = torch.arange(1, p.shape[0] + 1, dtype=torch.uint8).view(-1, *([1] * (p.ndim - 1)))
+        out = (p * weights).amax(0)
+    return out.numpy().astype(np.uint8)
+
+
+def _write_predictions(by_case: dict, names: dict, route_key: str, out_dir: Path, encoding: str) -> None:
+    import nibabel as nib
+    from PIL import Image
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for case, items in by_case.items():
+        preds = [s["preds"][s["choice"][route_key]] for s in items]
+        if len(preds) == 1:
+            Image.fromarray(_label_map(preds[0], encoding)).save(out_dir / f"{names[case]}.png")
+        else:
+            volume = _label_map(torch.stack(preds, dim=-1), encoding)  # (H, W, D)
+            nib.save(nib.Nifti1Image(volume, np.eye(4)), str(out_dir / f"{names[case]}.nii.gz"))
