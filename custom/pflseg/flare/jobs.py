@@ -1,9 +1,9 @@
 """Effective config -> FLARE FedJob, and export of ``jobs/<name>/`` folders.
 
 A job is: the method's controller (carrying the whole effective config), the TensorBoard receiver on the
-server, and on every site the one client script (``pflseg/flare/client.py``) through ScriptRunner with
-torch tensors end to end. pflseg itself is declared a pre-installed package, so the job's custom folder
-holds the client script only.
+server, and on every site the one client script (``pflseg.flare.client``, started by the three-line
+``job_client.py`` the job carries) through ScriptRunner with torch tensors end to end. pflseg itself is
+declared a pre-installed package, so the job's custom folder holds that launcher only.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from nvflare.job_config.script_runner import ScriptRunner
 from pflseg.config import job_names, load_job_config
 from pflseg.flare.controllers import CONTROLLERS
 
-CLIENT_SCRIPT = Path(__file__).with_name("client.py")
+CLIENT_SCRIPT = Path(__file__).with_name("job_client.py")  # runs pflseg.flare.client.main
 
 #: server poll interval (seconds) the sites use to ask for tasks; FLARE's default is 2 s
 TASK_REQUEST_INTERVAL = 0.2
@@ -38,7 +38,7 @@ def build_job(cfg: dict) -> FedJob:
     job.to_server(CONTROLLERS[cfg["method"]](config=cfg), id="controller")
     job.to_server(TBAnalyticsReceiver(events=["fed.analytix_log_stats"]), id="receiver")
     job.to_server({"server": {"task_request_interval": TASK_REQUEST_INTERVAL}})
-    # relative to the script's folder, so that the job carries it as app/custom/client.py (see _in_script_dir)
+    # relative to the script's folder, so that the job carries it as app/custom/job_client.py (see _in_script_dir)
     job.to_clients(ScriptRunner(script=CLIENT_SCRIPT.name, server_expected_format=ExchangeFormat.PYTORCH))
     job.to_clients(ConvertToFedEvent(events_to_convert=["analytix_log_stats"], fed_event_prefix="fed."), id="event_to_fed")
     job.set_app_packages(["pflseg"])
@@ -46,7 +46,7 @@ def build_job(cfg: dict) -> FedJob:
 
 
 def export_job(name: str, out_dir: str | Path, overrides: dict | None = None) -> Path:
-    """Write ``<out_dir>/<name>/`` (meta.json, app/config/*.json, app/custom/client.py)."""
+    """Write ``<out_dir>/<name>/`` (meta.json, app/config/*.json, app/custom/job_client.py)."""
     out_dir = Path(out_dir).resolve()
     target = out_dir / name
     if target.exists():
