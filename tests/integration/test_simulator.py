@@ -26,8 +26,10 @@ def data(tmp_path_factory):
 
 
 def run(name, ws, data, sites=2, threads=None, **over):
-    if name == "fedsm_extra":
+    if name.startswith("fedsm_extra"):
         over.setdefault("fedsm", {"extra_rounds": 1})
+    if "fundus" in name:  # two-class jobs on their own synthetic data, made at the sites (embedded default)
+        data = None
     job = export_job(name, ws / "jobs", overrides={**TINY, **over})
     return run_simulator(job, ws, n_sites=sites, threads=threads, data=data, progress=lambda m: None)
 
@@ -59,12 +61,14 @@ def assert_same_states(a: dict, b: dict):
 def test_job_completes_with_per_site_test_dice(name, tmp_path, data):
     res = run(name, tmp_path, data)
     assert res["sites"] == ["site-1", "site-2"] and not res["missing"]
-    assert [h["round"] for h in res["history"]] == ([0, 1, 2] if name == "fedsm_extra" else [0, 1])  # + 1 extra
+    assert [h["round"] for h in res["history"]] == ([0, 1, 2] if "extra" in name else [0, 1])  # + 1 extra round
     for site in res["sites"]:
         test = res["test"][site]
         assert 0.0 <= test["site"]["dice"] <= 1.0 and test["site"]["n_cases"] >= 1
-        if name in ("fedavg", "fedprox", "centralized", "fedsm", "fedsm_extra"):
+        if name in ("fedavg", "fedprox", "centralized") or name.startswith("fedsm"):
             assert 0.0 <= test["global"]["dice"] <= 1.0
+        if "fundus" in name:
+            assert len(test["site"]["dice_per_class"]) == 2  # disc and cup
     run_dir = tmp_path / "sim" / "server" / "simulate_job"
     assert (run_dir / "results.json").is_file()  # in the FLARE run dir too (downloaded with the job)
     assert {p.name for p in (run_dir / "tb_events").iterdir()} == {"site-1", "site-2"}  # TensorBoard via FLARE
@@ -142,3 +146,9 @@ def test_fedsm_inference_without_bundle_fails_clearly(tmp_path, data):
     with pytest.raises(RuntimeError, match="did not finish"):
         run("fedsm_infer", tmp_path, data, fedsm={"bundle": str(tmp_path / "none")})
     assert "holds no FedSM checkpoint" in (tmp_path / "sim" / "server" / "log.txt").read_text()
+
+
+def test_job_for_other_classes_than_the_data_is_refused(tmp_path, data):
+    with pytest.raises(RuntimeError, match="did not finish"):
+        run("fedavg", tmp_path, data, net={"out_channels": 2})
+    assert "net.out_channels=2" in (tmp_path / "sim" / "server" / "log.txt").read_text()

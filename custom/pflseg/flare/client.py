@@ -49,6 +49,13 @@ class Site:
             torch.set_num_threads(self.settings["threads"])
         pool = self.method == "centralized" and name == sorted(sites)[0]
         self.root, self.data_site = resolve_data(name, self.settings, cfg["data"], sites=sites if pool else None)
+        info = load_dataset_info(self.root)
+        if len(info["classes"]) != cfg["net"]["out_channels"] or info["in_channels"] != cfg["net"]["in_channels"]:
+            raise DataError(
+                f"site {name}: data {self.root} has {info['in_channels']} image channel(s) and classes {info['classes']}, "
+                f"but the job's network takes net.in_channels={cfg['net']['in_channels']} and predicts "
+                f"net.out_channels={cfg['net']['out_channels']}; use a job config made for this data"
+            )
         self.store = RoundStore(state_dir(name, cfg["name"], self.settings["state_dir"]))
         self.best_path = self.store.root / "best.pt"
         self.net = build_net(cfg["net"])
