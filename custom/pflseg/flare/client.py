@@ -265,9 +265,9 @@ class Site:
             val = evaluate(model, self.data("validation"), self.device, self.cfg["train"]["eval_batch_size"])
             person = build_net(self.cfg["net"])
             person.load_state_dict(unprefixed("person", msg.params))
-            self._validate_and_track(person, msg.current_round)
-        else:
-            val = self._validate_and_track(model, msg.current_round)
+            val_p = self._validate_and_track(person, msg.current_round)
+            return FLModel(params={}, metrics={"val_dice": val["dice"], "val_dice_person": val_p["dice"]}, meta={"site": self.name})
+        val = self._validate_and_track(model, msg.current_round)
         return FLModel(params={}, metrics={"val_dice": val["dice"]}, meta={"site": self.name})
 
     def test(self, msg: FLModel) -> FLModel:

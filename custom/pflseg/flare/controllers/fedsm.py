@@ -55,11 +55,27 @@ class FedSMController(RoundController):
             self.selector = unprefixed("select", ckpt)
             self.moments = unprefixed("moment", ckpt)
             self.person = {s: unprefixed(f"person.{s}", ckpt) for s in self.sites}
+        self.best_person = {s: {"round": -1, "score": -1.0} for s in self.sites}
+        self.best_person_state = {s: dict(self.person[s]) for s in self.sites}
+        if start > 0:
+            self.best_person = dict(ckpt["best_person"])
+            self.best_person_state = {s: unprefixed(f"bestperson.{s}", ckpt) for s in self.sites}
         return start
 
     def checkpoint(self, r: int) -> dict:
-        person = {k: v for s in self.sites for k, v in prefixed(f"person.{s}", self.person[s]).items()}
-        return {**super().checkpoint(r), **prefixed("select", self.selector), **prefixed("moment", self.moments), **person}
+        flat = lambda name, states: {k: v for s in self.sites for k, v in prefixed(f"{name}.{s}", states[s]).items()}  # noqa: E731
+        return {**super().checkpoint(r), **prefixed("select", self.selector), **prefixed("moment", self.moments),
+                **flat("person", self.person), **flat("bestperson", self.best_person_state), "best_person": self.best_person}
+
+    def track_best(self, r: int, results: dict, state: dict) -> None:
+        """Best global as in every method, and for each site the personalized model it sent with the best
+        validation Dice at that site (what the inference job hands out)."""
+        super().track_best(r, results, state)
+        for site, res in results.items():
+            score = res.metrics.get("val_dice_person")
+            if score is not None and score > self.best_person[site]["score"]:
+                self.best_person[site] = {"round": r, "score": score}
+                self.best_person_state[site] = dict(self.person[site])
 
     def n_rounds(self) -> int:
         return self.cfg["rounds"] + self.cfg["fedsm"]["extra_rounds"]
@@ -122,7 +138,8 @@ class FedSMInferenceController(RoundController):
             return
         ckpt = bundle.load(bundle.latest())
         inside = sorted({k.split(".")[1] for k in ckpt if k.startswith("person.")})
-        person = {k: v for k, v in ckpt.items() if k.startswith("person.")}
+        chosen = "bestperson" if any(k.startswith("bestperson.") for k in ckpt) else "person"
+        person = {"person." + k[len(chosen) + 1:]: v for k, v in ckpt.items() if k.startswith(chosen + ".")}
         best = unprefixed("best", ckpt) or unprefixed("global", ckpt)
         payload = {**prefixed("global", best), **person, **prefixed("select", unprefixed("select", ckpt))}
         self.info(f"super model from {bundle.path(bundle.latest())}: inside sites {inside}; sending to {self.sites}")
