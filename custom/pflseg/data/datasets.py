@@ -242,23 +242,8 @@ def _plain(x) -> torch.Tensor:
     return x.float().contiguous()
 
 
-def site_dataset(
-    root: str | Path,
-    site: str,
-    split: str,
-    size: int = 64,
-    cache: bool = True,
-    foreground_only: bool = False,
-    transform: Callable[[dict], dict] | None = None,
-) -> SliceDataset:
-    """One site's split as 2D samples (see :class:`SliceDataset`).
-
-    Raises:
-        DataError: Bad dataset.json, unknown site, missing datalist, empty training split, or a
-            corrupt / mismatched file or bad label values (when loaded).
-    """
-    return SliceDataset(root, site, split, size=size, cache=cache, foreground_only=foreground_only,
-                        transform=transform)
+#: One site's split as 2D samples (see :class:`SliceDataset`).
+site_dataset = SliceDataset
 
 
 def pooled_dataset(
