@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-METHODS = ("fedavg", "fedprox", "fedbn", "local", "centralized", "fedsm", "fedsm_infer")
+METHODS = ("fedavg", "fedprox", "fedbn", "local", "centralized", "fedsm", "fedsm_infer", "grace")
 #: methods whose model for a site is the server's global model (the others give each site its own)
 GLOBAL_METHODS = ("fedavg", "fedprox", "centralized")
 
@@ -97,6 +97,12 @@ def validate(cfg: Mapping, source: str = "config") -> None:
         raise ConfigError(f"{source}: fedsm.selector must be compact|vgg11 and fedsm.selector_steps epoch|batch")
     if fedsm["extra_rounds"] < 0 or any(not 0.0 <= g <= 1.0 for g in fedsm["gammas"]):
         raise ConfigError(f"{source}: fedsm.extra_rounds must be >= 0 and every fedsm.gammas value in [0, 1]")
+    grace = cfg["grace"]
+    choices = {"similarity": ("total", "split", "reweight"), "self_similarity": ("include", "exclude"),
+               "align": ("coral", "mmd")}
+    for key, allowed in choices.items():
+        if grace[key] not in allowed:
+            raise ConfigError(f"{source}: grace.{key} must be one of {', '.join(allowed)}, got {grace[key]!r}")
     if cfg["fedprox"]["mu"] < 0:
         raise ConfigError(f"{source}: fedprox.mu must be >= 0, got {cfg['fedprox']['mu']}")
 

@@ -63,7 +63,7 @@ COVERED_ELSEWHERE = ("fedsm", "fedsm_extra", "fedsm_fundus", "fedsm_infer")
 
 def test_every_job_is_run_by_a_test():
     assert set(job_names()) - set(COVERED_ELSEWHERE) == {"local", "fedavg", "fedprox", "fedbn", "centralized",
-                                                          "fedsm_extra_fundus"}
+                                                          "fedsm_extra_fundus", "grace", "grace_server", "grace_client"}
 
 
 @pytest.mark.parametrize("name", [n for n in job_names() if n not in COVERED_ELSEWHERE])
@@ -74,10 +74,12 @@ def test_job_completes_with_per_site_test_dice(name, tmp_path, data):
     for site in res["sites"]:
         test = res["test"][site]
         assert 0.0 <= test["site"]["dice"] <= 1.0 and test["site"]["n_cases"] >= 1
-        if name in ("fedavg", "fedprox", "centralized") or name.startswith("fedsm"):
+        if name in ("fedavg", "fedprox", "centralized") or name.startswith(("fedsm", "grace")):
             assert 0.0 <= test["global"]["dice"] <= 1.0
         if "fundus" in name:
             assert len(test["site"]["dice_per_class"]) == 2  # disc and cup
+    if name in ("grace", "grace_server"):  # the server's consistency weights are recorded every round
+        assert all(abs(sum(h["grace_weights"].values()) - 1) < 1e-6 for h in res["history"])
     run_dir = tmp_path / "sim" / "server" / "simulate_job"
     assert (run_dir / "results.json").is_file()  # in the FLARE run dir too (downloaded with the job)
     assert {p.name for p in (run_dir / "tb_events").iterdir()} == {"site-1", "site-2"}  # TensorBoard via FLARE

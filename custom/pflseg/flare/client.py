@@ -11,14 +11,17 @@ in ``meta["pflseg"]``; the site's data, device and state folder come from its ow
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
 import torch
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 
+from pflseg.algorithms.alignment import coral, mmd
 from pflseg.algorithms.fedbn import norm_keys
 from pflseg.algorithms.fedprox import proximal_term
+from pflseg.algorithms.grace_meta import meta_step, unet_features
 from pflseg.algorithms.fedsm import (
     flatten_optimizer_state,
     selector_labels_extra,
@@ -135,13 +138,18 @@ class Site:
         if self.method == "fedsm":
             return self.train_fedsm(msg, r, seed, prev)
         model = self.current_model(msg.params, r)
-        val = self._validate_and_track(model, r)
+        if self.method == "grace":
+            val = evaluate(model, self.data("validation"), self.device, cfg["train"]["eval_batch_size"])
+        else:
+            val = self._validate_and_track(model, r)
         t0 = time.time()
         hooks = Hooks()
         if self.method == "fedprox":
             anchor = {k: v.detach().clone() for k, v in model.named_parameters()}
             mu = cfg["fedprox"]["mu"]
             hooks.extra_loss = lambda m, batch, logits: proximal_term(m, anchor, mu)
+        if self.method == "grace" and cfg["grace"]["client"]:
+            hooks.step = self.grace_step(model)
         stats, optim = self._fit(model, "model", prev, seed, hooks)
         train_s = time.time() - t0
         trained = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
@@ -152,11 +160,24 @@ class Site:
             params = prefixed("global", {k: v for k, v in trained.items() if k not in self.norm})
         else:
             params = prefixed("global", trained)
-        after = evaluate(model, self.data("validation"), self.device, cfg["train"]["eval_batch_size"])
+        if self.method == "grace":  # GRACE's personalized model is the local model after training
+            after = self._validate_and_track(model, r)
+        else:
+            after = evaluate(model, self.data("validation"), self.device, cfg["train"]["eval_batch_size"])
         metrics = {"val_dice": val["dice"], "val_dice_local": after["dice"], "train_loss": stats["loss"],
                    "train_seconds": train_s, "n_samples": stats["samples"]}
         return FLModel(params=params, params_type=ParamsType.FULL, metrics=metrics,
                        meta={"NUM_STEPS_CURRENT_ROUND": stats["samples"], "site": self.name})
+
+    def grace_step(self, model):
+        """The GRACE meta step as the loop's custom step; the round's global model is frozen for alignment."""
+        grace = self.cfg["grace"]
+        frozen = build_net(self.cfg["net"])
+        frozen.load_state_dict(model.state_dict())
+        frozen.to(self.device).eval().requires_grad_(False)
+        align = {"coral": coral, "mmd": mmd}[grace["align"]]
+        return functools.partial(meta_step, inner_lr=grace["inner_lr"], beta=grace["beta"], align_fn=align,
+                                 global_model=frozen, feature_fn=unet_features, split=grace["split"])
 
     def train_fedsm(self, msg: FLModel, r: int, seed: int, prev: dict) -> FLModel:
         """FedSM: train the global model, this site's personalized model and the selector (label k)."""

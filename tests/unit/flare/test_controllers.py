@@ -190,3 +190,22 @@ def test_fedsm_site_that_drops_out_keeps_its_personalized_model(tmp_path, monkey
     ctrl.round(0)
     assert "site-3" in ctrl.missing
     assert all(torch.equal(ctrl.person["site-3"][k], kept[k]) for k in kept)
+
+
+def test_grace_identical_updates_give_uniform_weights_and_fedavg(tmp_path, monkeypatch):
+    ctrl = make("grace", tmp_path, monkeypatch)
+    g0 = dict(ctrl.global_state)
+    Stub(ctrl, lambda site, data: FLModel(params=prefixed("global", scaled(unprefixed("global", data.params), 2.0)),
+                                          metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": 1}))
+    ctrl.round(0)
+    weights = ctrl.round_metrics["grace_weights"]
+    assert sorted(weights) == ctrl.sites and all(w == pytest.approx(1 / 3) for w in weights.values())
+    key = next(k for k, v in g0.items() if v.is_floating_point() and v.abs().sum() > 0 and "adn" not in k)
+    assert torch.allclose(ctrl.global_state[key], 2 * g0[key], atol=1e-6)
+
+
+def test_grace_needs_two_sites(tmp_path, monkeypatch):
+    ctrl = make("grace", tmp_path, monkeypatch)
+    ctrl.sites = ["site-1"]
+    with pytest.raises(ValueError, match="at least 2"):
+        ctrl.restore()

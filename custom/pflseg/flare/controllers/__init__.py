@@ -4,6 +4,7 @@ from pflseg.flare.controllers.centralized import CentralizedController
 from pflseg.flare.controllers.fedavg import FedAvgController
 from pflseg.flare.controllers.fedbn import FedBNController
 from pflseg.flare.controllers.fedsm import FedSMController, FedSMInferenceController
+from pflseg.flare.controllers.grace import GraceController
 from pflseg.flare.controllers.local import LocalController
 
 CONTROLLERS = {
@@ -14,6 +15,7 @@ CONTROLLERS = {
     "centralized": CentralizedController,
     "fedsm": FedSMController,
     "fedsm_infer": FedSMInferenceController,
+    "grace": GraceController,
 }
 
-__all__ = ["CONTROLLERS", "CentralizedController", "FedAvgController", "FedBNController", "FedSMController", "LocalController"]
+__all__ = ["CONTROLLERS", "CentralizedController", "FedAvgController", "FedBNController", "FedSMController", "GraceController", "LocalController"]
