@@ -106,12 +106,18 @@ def test_site_listed_without_folder(clean_root):
     _only(check_dataset(clean_root), "site-9", clean_root / "site-9", "no folder")
 
 
-def test_label_out_of_range(clean_root):
-    path = clean_root / "site-1" / _entry(clean_root, "site-1")["label"]
+def _write_bad_label(root, value):
+    """Put ``value`` into one voxel of site-1's first training label; return the label's path."""
+    path = root / "site-1" / _entry(root, "site-1")["label"]
     old = nib.load(str(path))
     data = np.asarray(old.dataobj).copy()
-    data[0, 0, 0] = 5
+    data[0, 0, 0] = value
     nib.save(nib.Nifti1Image(data, old.affine), str(path))
+    return path
+
+
+def test_label_out_of_range(clean_root):
+    path = _write_bad_label(clean_root, 5)
     problem = _only(check_dataset(clean_root), "site-1", path, "outside the class range 0..1")
     assert "{5}" in problem.problem
 
@@ -164,11 +170,7 @@ def test_require_valid_lists_all_problems(clean_root):
 
 
 def test_training_stops_with_the_same_message(clean_root):
-    path = clean_root / "site-1" / _entry(clean_root, "site-1")["label"]
-    old = nib.load(str(path))
-    data = np.asarray(old.dataobj).copy()
-    data[0, 0, 0] = 7
-    nib.save(nib.Nifti1Image(data, old.affine), str(path))
+    _write_bad_label(clean_root, 7)
     (problem,) = check_dataset(clean_root)
     with pytest.raises(DataError) as err:
         site_dataset(clean_root, "site-1", "training")
