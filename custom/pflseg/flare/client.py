@@ -12,6 +12,7 @@ in ``meta["pflseg"]``; the site's data, device and state folder come from its ow
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import time
 
@@ -115,6 +116,11 @@ class Site:
         return metrics
 
     # ---- tasks ----------------------------------------------------------------------------------
+    def tasks(self) -> dict:
+        """Task name -> handler; a method's Site subclass adds its own."""
+        return {"train": self.train, "validate": self.validate, "test": self.test, "submit_model": self.submit_model,
+                "train_selector": self.train_selector, "infer": self.infer}
+
     def _fit(self, model, name: str, prev: dict, seed: int, hooks: Hooks | None = None,
              lr: float | None = None, loss=None, batch_size: int | None = None) -> tuple[dict, dict]:
         """Train ``model`` with the one loop; Adam state ``optim.<name>`` carried over from ``prev``.
@@ -309,6 +315,17 @@ class Site:
         return FLModel(params=prefixed("site", unprefixed("model", best)), meta={"site": self.name, "round": best["round"]})
 
 
+#: methods whose site side lives in its own module ("module:Class", a subclass of Site), imported on use
+SITE_CLASSES: dict[str, str] = {}
+
+
+def site_class(method: str) -> type[Site]:
+    if method not in SITE_CLASSES:
+        return Site
+    module, cls = SITE_CLASSES[method].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
 def _cpu(model) -> dict:
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
@@ -329,9 +346,8 @@ def main() -> None:
         try:
             if site is None:
                 cfg = check_effective(msg.meta["pflseg"], "job config sent by the server")
-                site = Site(name, cfg, msg.meta["sites"])
-            handler = {"train": site.train, "validate": site.validate, "test": site.test, "submit_model": site.submit_model,
-                       "train_selector": site.train_selector, "infer": site.infer}.get(task)
+                site = site_class(cfg["method"])(name, cfg, msg.meta["sites"])
+            handler = site.tasks().get(task)
             if handler is None:
                 raise ValueError(f"site {name}: unknown task '{task}'")
             t0 = time.time()
