@@ -99,7 +99,7 @@ def validate(cfg: Mapping, source: str = "config") -> None:
         raise ConfigError(f"{source}: fedsm.extra_rounds must be >= 0 and every fedsm.gammas value in [0, 1]")
     grace = cfg["grace"]
     choices = {"similarity": ("total", "split", "reweight"), "self_similarity": ("include", "exclude"),
-               "align": ("coral", "mmd")}
+               "align": ("coral", "mmd", "adv")}
     for key, allowed in choices.items():
         if grace[key] not in allowed:
             raise ConfigError(f"{source}: grace.{key} must be one of {', '.join(allowed)}, got {grace[key]!r}")

@@ -19,10 +19,10 @@ import time
 import torch
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 
-from pflseg.algorithms.alignment import coral, mmd
+from pflseg.algorithms.alignment import DomainDiscriminator, adversarial_alignment, coral, mmd
 from pflseg.algorithms.fedbn import norm_keys
 from pflseg.algorithms.fedprox import proximal_term
-from pflseg.algorithms.grace_meta import meta_step, unet_features
+from pflseg.algorithms.grace_meta import feature_layer, meta_step, unet_features
 from pflseg.algorithms.fedsm import (
     flatten_optimizer_state,
     selector_labels_extra,
@@ -122,11 +122,13 @@ class Site:
                 "train_selector": self.train_selector, "infer": self.infer}
 
     def _fit(self, model, name: str, prev: dict, seed: int, hooks: Hooks | None = None,
-             lr: float | None = None, loss=None, batch_size: int | None = None) -> tuple[dict, dict]:
-        """Train ``model`` with the one loop; Adam state ``optim.<name>`` carried over from ``prev``.
+             lr: float | None = None, loss=None, batch_size: int | None = None, extra: list | None = None) -> tuple[dict, dict]:
+        """Train ``model`` with the one loop; Adam state ``optim.<name>`` carried over from ``prev``; ``extra``
+        parameters (e.g. GRACE's domain discriminator) are a second group of the same optimizer.
         Returns (loop stats, optimizer state_dict)."""
         cfg = self.cfg["train"]
-        optimizer = torch.optim.Adam(model.parameters(), lr=lr or cfg["lr"])
+        groups = [{"params": list(model.parameters())}] + ([{"params": extra}] if extra else [])
+        optimizer = torch.optim.Adam(groups, lr=lr or cfg["lr"])
         if cfg["keep_optimizer_state"] and f"optim.{name}" in prev:
             optimizer.load_state_dict(prev[f"optim.{name}"])
         loader = make_loader(self.data("training"), batch_size or cfg["batch_size"], shuffle=True, seed=seed)
@@ -149,17 +151,20 @@ class Site:
         else:
             val = self._validate_and_track(model, r)
         t0 = time.time()
-        hooks = Hooks()
+        hooks, extra, saved = Hooks(), None, {}
         if self.method == "fedprox":
             anchor = {k: v.detach().clone() for k, v in model.named_parameters()}
             mu = cfg["fedprox"]["mu"]
             hooks.extra_loss = lambda m, batch, logits: proximal_term(m, anchor, mu)
         if self.method == "grace" and cfg["grace"]["client"]:
-            hooks.step = self.grace_step(model)
-        stats, optim = self._fit(model, "model", prev, seed, hooks)
+            hooks.step, disc = self.grace_step(model, prev)
+            if disc is not None:  # adversarial alignment: the discriminator trains with the model, stays at the site
+                extra, saved = list(disc.parameters()), disc
+        stats, optim = self._fit(model, "model", prev, seed, hooks, extra=extra)
         train_s = time.time() - t0
         trained = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-        self.store.save(r, {"round": r, "optim.model": optim, **prefixed("model", trained)})
+        disc_state = prefixed("disc", _cpu(saved)) if extra else {}
+        self.store.save(r, {"round": r, "optim.model": optim, **prefixed("model", trained), **disc_state})
         if self.method == "local":
             params = {}
         elif self.method == "fedbn":
@@ -175,15 +180,26 @@ class Site:
         return FLModel(params=params, params_type=ParamsType.FULL, metrics=metrics,
                        meta={"NUM_STEPS_CURRENT_ROUND": stats["samples"], "site": self.name})
 
-    def grace_step(self, model):
-        """The GRACE meta step as the loop's custom step; the round's global model is frozen for alignment."""
+    def grace_step(self, model, prev: dict):
+        """The GRACE meta step as the loop's custom step; the round's global model is frozen for alignment.
+        Returns (step, discriminator or None); with ``align: adv`` the site's domain discriminator (kept in
+        its state between rounds) is returned so that it joins the optimizer."""
         grace = self.cfg["grace"]
         frozen = build_net(self.cfg["net"])
         frozen.load_state_dict(model.state_dict())
         frozen.to(self.device).eval().requires_grad_(False)
-        align = {"coral": coral, "mmd": mmd}[grace["align"]]
-        return functools.partial(meta_step, inner_lr=grace["inner_lr"], beta=grace["beta"], align_fn=align,
+        disc = None
+        if grace["align"] == "adv":
+            disc = DomainDiscriminator(feature_layer(model).in_channels)
+            if unprefixed("disc", prev):
+                disc.load_state_dict(unprefixed("disc", prev))
+            disc.to(self.device)
+            align = functools.partial(adversarial_alignment, disc)
+        else:
+            align = {"coral": coral, "mmd": mmd}[grace["align"]]
+        step = functools.partial(meta_step, inner_lr=grace["inner_lr"], beta=grace["beta"], align_fn=align,
                                  global_model=frozen, feature_fn=unet_features, split=grace["split"])
+        return step, disc
 
     def train_fedsm(self, msg: FLModel, r: int, seed: int, prev: dict) -> FLModel:
         """FedSM: train the global model, this site's personalized model and the selector (label k)."""

@@ -36,7 +36,7 @@ def build_job(cfg: dict) -> FedJob:
     """The FLARE job of effective config ``cfg`` (from ``pflseg.config.load_job_config``)."""
     job = FedJob(name=cfg["name"], min_clients=cfg["min_clients"])
     job.to_server(CONTROLLERS[cfg["method"]](config=cfg), id="controller")
-    job.to_server(TBAnalyticsReceiver(events=["fed.analytix_log_stats"]), id="receiver")
+    job.to_server(TBAnalyticsReceiver(events=["fed.analytix_log_stats", "analytix_log_stats"]), id="receiver")
     job.to_server({"server": {"task_request_interval": TASK_REQUEST_INTERVAL}})
     # relative to the script's folder, so that the job carries it as app/custom/job_client.py (see _in_script_dir)
     job.to_clients(ScriptRunner(script=CLIENT_SCRIPT.name, server_expected_format=ExchangeFormat.PYTORCH))

@@ -18,8 +18,9 @@ class Stub:
     """Replaces FLARE's send: records payloads, answers with ``reply(site, payload)``."""
 
     def __init__(self, controller, reply):
-        self.sent = []
+        self.sent, self.scalars = [], []
         controller.send_model = self.send_model
+        controller.log_scalars = lambda tag, values, step: self.scalars.append((tag, values, step))
         controller.get_num_standing_tasks = lambda: 0
         self.reply = reply
 
@@ -195,10 +196,11 @@ def test_fedsm_site_that_drops_out_keeps_its_personalized_model(tmp_path, monkey
 def test_grace_identical_updates_give_uniform_weights_and_fedavg(tmp_path, monkeypatch):
     ctrl = make("grace", tmp_path, monkeypatch)
     g0 = dict(ctrl.global_state)
-    Stub(ctrl, lambda site, data: FLModel(params=prefixed("global", scaled(unprefixed("global", data.params), 2.0)),
-                                          metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": 1}))
+    stub = Stub(ctrl, lambda site, data: FLModel(params=prefixed("global", scaled(unprefixed("global", data.params), 2.0)),
+                                                 metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": 1}))
     ctrl.round(0)
     weights = ctrl.round_metrics["grace_weights"]
+    assert stub.scalars == [("grace_weight", weights, 0)]  # TensorBoard, tb_events/<server name>
     assert sorted(weights) == ctrl.sites and all(w == pytest.approx(1 / 3) for w in weights.values())
     key = next(k for k, v in g0.items() if v.is_floating_point() and v.abs().sum() > 0 and "adn" not in k)
     assert torch.allclose(ctrl.global_state[key], 2 * g0[key], atol=1e-6)

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 import torch
+from nvflare.apis.analytix import AnalyticsDataType
+from nvflare.apis.utils.analytix_utils import create_analytic_dxo, send_analytic_dxo
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 from nvflare.app_common.workflows.model_controller import ModelController
 from nvflare.app_opt.pt.decomposers import TensorDecomposer
@@ -125,6 +127,12 @@ class RoundController(ModelController):
         self.round_metrics = {"val_dice": {s: res.metrics["val_dice"] for s, res in results.items()}, "val_dice_mean": score}
         if score > self.best["score"]:
             self.best, self.best_state = {"round": r, "score": score}, dict(state)
+
+    def log_scalars(self, tag: str, values: dict[str, float], step: int) -> None:
+        """Server-side TensorBoard scalars (``tb_events/<server name>``) through FLARE's analytics receiver."""
+        with self.engine.new_context() as fl_ctx:
+            dxo = create_analytic_dxo(tag, {k: float(v) for k, v in values.items()}, AnalyticsDataType.SCALARS, global_step=step)
+            send_analytic_dxo(self, dxo, fl_ctx)
 
     # ---- messaging ------------------------------------------------------------------------------
     def message(self, r: int, params: dict | None = None, **meta) -> FLModel:

@@ -21,11 +21,11 @@ class FedAvgController(RoundController):
         sent = prefixed("global", {k: self.global_state[k] for k in keys})
         results = self.send_each("train", {s: self.message(r, sent) for s in self.sites}, reference=sent)
         self.track_best(r, results, self.global_state)
-        self.aggregate(results)
+        self.aggregate(results, r)
         return {s: res.metrics.get("compute_seconds", 0.0) for s, res in results.items()}
 
-    def aggregate(self, results: dict) -> None:
-        """w <- sum_k p_k w_k over the shared keys."""
+    def aggregate(self, results: dict, r: int) -> None:
+        """Round ``r``: w <- sum_k p_k w_k over the shared keys."""
         states = [unprefixed("global", res.params) for res in results.values()]
         weights = [res.meta["NUM_STEPS_CURRENT_ROUND"] for res in results.values()]
         self.global_state = {**self.global_state, **weighted_average(states, weights, self.shared_keys())}

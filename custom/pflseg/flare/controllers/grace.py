@@ -22,10 +22,10 @@ class GraceController(FedAvgController):
             raise ValueError(f"GRACE compares the updates of several sites: it needs at least 2, got {self.sites}")
         return super().restore()
 
-    def aggregate(self, results: dict) -> None:
+    def aggregate(self, results: dict, r: int) -> None:
         grace = self.cfg["grace"]
         if not grace["server"]:
-            return super().aggregate(results)
+            return super().aggregate(results, r)
         trainable, buffers = grace_keys(build_net(self.cfg["net"]))
         states = [unprefixed("global", res.params) for res in results.values()]
         weights = [res.meta["NUM_STEPS_CURRENT_ROUND"] for res in results.values()]
@@ -35,4 +35,5 @@ class GraceController(FedAvgController):
         sites = list(results)
         self.round_metrics["grace_weights"] = dict(zip(sites, info["p_prime"].tolist()))
         self.round_metrics["similarity"] = {"sites": sites, "matrix": info["sim"].tolist()}
+        self.log_scalars("grace_weight", self.round_metrics["grace_weights"], r)
         self.info(f"GRACE weights: {self.round_metrics['grace_weights']}")
