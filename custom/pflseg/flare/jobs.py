@@ -72,15 +72,18 @@ def run_simulator(
     threads: int | None = None,
     data: str | Path | None = None,
     progress=print,
+    clients: list[str] | None = None,
 ) -> dict:
     """Run an exported job with ``nvflare simulator`` (a subprocess, as a user would) and return its results.
 
     Layout: ``<workspace>/sim`` is FLARE's simulator workspace, ``<workspace>/state/<server|site>/<job>`` the
     pflseg state (checkpoints, personalized models, results.json); the state survives a re-run, so
-    ``resume: true`` continues a stopped run.
+    ``resume: true`` continues a stopped run. ``clients`` names the simulated sites (default site-1..n_sites),
+    e.g. the inside sites of a leave-one-site-out split.
     """
     job_dir, workspace = Path(job_dir).resolve(), Path(workspace).resolve()
     name = job_dir.name
+    n_sites = len(clients) if clients else n_sites
     # the simulated sites share this machine's cores
     env = {"PFLSEG_THREADS": str(max(1, (os.cpu_count() or 1) // n_sites)), **os.environ,
            "PFLSEG_STATE_DIR": str(workspace / "state")}
@@ -91,7 +94,7 @@ def run_simulator(
         env["PFLSEG_DATA"] = str(data)
     workspace.mkdir(parents=True, exist_ok=True)
     cmd = ["nvflare", "simulator", str(job_dir), "-w", str(workspace / "sim"), "-n", str(n_sites),
-           "-t", str(threads or n_sites)]
+           "-t", str(threads or n_sites)] + (["-c", ",".join(clients)] if clients else [])
     progress(f"[{name}] {' '.join(cmd)}")
     results_path = workspace / "state" / "server" / name / "results.json"
     results_path.unlink(missing_ok=True)
