@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -100,16 +101,20 @@ def run_simulator(
     results_path.unlink(missing_ok=True)
     log_path = workspace / "simulator.log"
     t0 = time.time()
+    server_log = workspace / "sim" / "server" / "log.txt"
     with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
         peak = _PeakMemory(proc.pid)
-        for line in proc.stdout:
-            log_file.write(line)
-            if "pflseg" in line or "round " in line and "done" in line or "ERROR" in line:
-                msg = line.rstrip().split(" - ")[-1]
-                if ("round " in msg and " done in " in msg) or "left out" in msg or "ERROR" in line:
-                    progress(f"[{name}] {msg[:300]}")
-        proc.wait()
+        reader = threading.Thread(target=_relay, args=(proc.stdout, log_file, name, progress), daemon=True)
+        reader.start()
+        while proc.poll() is None:
+            # FLARE 2.9's simulator idles ~6 s after the server runner has finished (fixed shutdown waits);
+            # the run is complete by then (results, checkpoints, TensorBoard events written), so end it.
+            if results_path.is_file() and _server_runner_finished(server_log):
+                _end_process_group(proc)
+            time.sleep(0.2)
+        reader.join()
         peak.stop()
     if not results_path.is_file():
         raise RuntimeError(
@@ -120,6 +125,36 @@ def run_simulator(
     results["footprint"] = {"wall_seconds": time.time() - t0, "peak_rss_gib": peak.peak / 2**30}
     results_path.write_text(json.dumps(results, indent=1, sort_keys=True))
     return results
+
+
+def _relay(stream, log_file, name: str, progress) -> None:
+    for line in stream:
+        log_file.write(line)
+        if "pflseg" in line or "round " in line and "done" in line or "ERROR" in line:
+            msg = line.rstrip().split(" - ")[-1]
+            if ("round " in msg and " done in " in msg) or "left out" in msg or "ERROR" in line:
+                progress(f"[{name}] {msg[:300]}")
+
+
+def _server_runner_finished(server_log: Path) -> bool:
+    try:
+        with open(server_log, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            return b"Server runner finished." in f.read()
+    except OSError:
+        return False
+
+
+def _end_process_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM the simulator's whole process group, SIGKILL what is left after ``grace`` seconds."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
 
 
 class _PeakMemory(threading.Thread):
