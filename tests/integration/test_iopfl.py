@@ -67,10 +67,3 @@ def test_routing_at_an_outside_site_writes_predictions_and_metrics(trained, tmp_
     preds = list((tmp_path / "state" / "site-4" / "iopfl_route" / "predictions").glob("*.nii.gz"))
     assert len(preds) == out["n_cases"] == 5
 
-
-def test_routing_refuses_an_inside_site(trained, tmp_path, data):
-    ws, _ = trained
-    with pytest.raises(RuntimeError, match="did not finish"):
-        run("iopfl_route", tmp_path, data, sites=4,
-            iopfl={"bundle": str(ws / "state" / "server" / "iopfl"), "targets": ["site-2"]})
-    assert "site-2 is an inside site" in (tmp_path / "sim" / "server" / "log.txt").read_text()
