@@ -49,6 +49,11 @@ def _run(args) -> int:
     workspace = Path(args.workspace or f"runs/{args.job}")
     job_dir = export_job(args.job, workspace / "job", overrides=overrides)
     results = run_simulator(job_dir, workspace, n_sites=args.sites, threads=args.threads, data=args.data)
+    if "route" in results:  # IOP-FL routing job: a table of the outside sites
+        from pflseg.eval.iopfl_routing import route_table
+
+        print(route_table(results))
+        return 0
     print(dice_table({args.job: results}))
     print(timing_summary(results))
     if results["missing"]:

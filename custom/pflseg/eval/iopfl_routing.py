@@ -160,3 +160,14 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
         _write_predictions(by_case, names, "routing", Path(out_dir), label_encoding)
         result["predictions"] = str(out_dir)
     return result
+
+
+def route_table(results: dict) -> str:
+    """Markdown: one row per routed site, one column per method (Dice), from the routing job's results.json."""
+    rows = results["route"]
+    methods = [m for m in METHODS if all(m in r["methods"] for r in rows.values())]
+    lines = ["| outside site | " + " | ".join(methods) + " | routing s/sample/epoch |", "|---" * (len(methods) + 2) + "|"]
+    for site, r in sorted(rows.items()):
+        cells = [f"{r['methods'][m]['dice']:.4f}" if r["methods"][m]["dice"] is not None else "-" for m in methods]
+        lines.append(f"| {site} | " + " | ".join(cells) + f" | {r['seconds_per_sample']:.4f} |")
+    return "\n".join(lines)
