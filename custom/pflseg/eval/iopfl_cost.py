@@ -5,7 +5,7 @@
 For each image size, measured side by side in one process on the same random batch: one forward pass
 of the project's UNet (eval, no gradient), one forward pass of the routed model (K + 1 experts,
 per-sample routers, one grouped convolution per layer) and one routing step (the unsupervised loss:
-two forward passes, backward, Adam). Routing an image costs ``epochs`` steps (default 10): the report
+two forward passes, backward, Adam), interleaved, each the minimum over ``--repeats`` rounds. Routing an image costs ``epochs`` steps (default 10): the report
 gives seconds per sample and the ratio to the single UNet's forward pass.
 """
 
@@ -21,12 +21,17 @@ from pflseg.algorithms.routing import build_routed_model, loss_weights, router_p
 from pflseg.nets import build_net
 
 
-def _time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    t0 = time.perf_counter()
+def _time(fns: dict, repeats: int) -> dict:
+    """Minimum wall time of each function over ``repeats`` interleaved rounds (robust to other load on the CPU)."""
+    best = {name: float("inf") for name in fns}
+    for fn in fns.values():
+        fn()  # warm-up
     for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - t0) / repeats
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
 
 
 def measure(size: int, n_experts: int = 5, batch: int = 8, epochs: int = 10, repeats: int = 3, net_cfg: dict | None = None) -> dict:
@@ -53,9 +58,8 @@ def measure(size: int, n_experts: int = 5, batch: int = 8, epochs: int = 10, rep
         loss.mean().backward()
         opt.step()
 
-    single_s = _time(forward_single, repeats) / batch
-    routed_s = _time(forward_routed, repeats) / batch
-    step_s = _time(step, repeats) / batch
+    t = _time({"single": forward_single, "routed": forward_routed, "step": step}, repeats)
+    single_s, routed_s, step_s = t["single"] / batch, t["routed"] / batch, t["step"] / batch
     return {"size": size, "experts": n_experts, "batch": batch, "epochs": epochs, "threads": torch.get_num_threads(),
             "unet_forward_s_per_sample": single_s, "routed_forward_s_per_sample": routed_s,
             "routing_step_s_per_sample": step_s, "routing_s_per_image": epochs * step_s,
@@ -79,7 +83,7 @@ if __name__ == "__main__":
     p.add_argument("--experts", type=int, default=5, help="K + 1")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--json")
     a = p.parse_args()
     rows = [measure(s, a.experts, a.batch, a.epochs, a.repeats) for s in a.sizes]
