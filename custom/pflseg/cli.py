@@ -49,6 +49,11 @@ def _run(args) -> int:
     workspace = Path(args.workspace or f"runs/{args.job}")
     job_dir = export_job(args.job, workspace / "job", overrides=overrides)
     results = run_simulator(job_dir, workspace, n_sites=args.sites, threads=args.threads, data=args.data)
+    if "route" in results:  # IOP-FL routing job: a table of the outside sites
+        from pflseg.eval.iopfl_routing import route_table
+
+        print(route_table(results))
+        return 0
     print(dice_table({args.job: results}))
     print(timing_summary(results))
     if results["missing"]:
@@ -71,6 +76,20 @@ def _site(args) -> int:
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(settings, indent=1))
     print(f"wrote {target}")
+    return 0
+
+
+def _iopfl(args) -> int:
+    from pflseg.config import parse_set
+    from pflseg.eval.iopfl_loso import run_loso, to_markdown
+
+    overrides = parse_set(args.set)
+    if args.rounds:
+        overrides["rounds"] = args.rounds
+    report = run_loso(args.workspace, data=args.data, synth_sites=args.synth_sites, seeds=args.seeds,
+                      overrides=overrides, held_out=args.holdout, threads=args.threads)
+    print(to_markdown(report))
+    print(f"written: {Path(args.workspace) / 'iopfl_loso'}.json/.csv/.md")
     return 0
 
 
@@ -118,6 +137,19 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--rounds", type=int, default=25)
     m.add_argument("--threads", type=int)
     m.set_defaults(func=_demo)
+
+    ip = sub.add_parser("iopfl", help="IOP-FL protocols")
+    ip.set_defaults(func=_iopfl)
+    io = ip.add_subparsers(dest="iopfl_cmd", required=True)
+    lo = io.add_parser("loso", help="leave-one-site-out: train on all sites but one, route at the held-out one")
+    lo.add_argument("--workspace", default="runs/iopfl_loso")
+    lo.add_argument("--data", help="data root (default: synthetic data with --synth-sites sites in the workspace)")
+    lo.add_argument("--synth-sites", type=int, default=5)
+    lo.add_argument("--holdout", nargs="+", help="held-out sites (default: every site)")
+    lo.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    lo.add_argument("--rounds", type=int)
+    lo.add_argument("--threads", type=int)
+    lo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for both jobs")
 
     sp = sub.add_parser("site", help="site-local configuration")
     sp.set_defaults(func=_site)

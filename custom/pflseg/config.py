@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-METHODS = ("fedavg", "fedprox", "fedbn", "local", "centralized", "fedsm", "fedsm_infer", "grace")
+METHODS = ("fedavg", "fedprox", "fedbn", "local", "centralized", "fedsm", "fedsm_infer", "grace", "iopfl", "iopfl_route")
 #: methods whose model for a site is the server's global model (the others give each site its own)
 GLOBAL_METHODS = ("fedavg", "fedprox", "centralized")
 
@@ -103,6 +103,13 @@ def validate(cfg: Mapping, source: str = "config") -> None:
     for key, allowed in choices.items():
         if grace[key] not in allowed:
             raise ConfigError(f"{source}: grace.{key} must be one of {', '.join(allowed)}, got {grace[key]!r}")
+    iopfl = cfg["iopfl"]
+    choices = {"rule": ("ema", "paper_eq4"), "router": ("paper", "refcode"), "loss_weights": ("paper", "refcode")}
+    for key, allowed in choices.items():
+        if iopfl[key] not in allowed:
+            raise ConfigError(f"{source}: iopfl.{key} must be one of {', '.join(allowed)}, got {iopfl[key]!r}")
+    if not 0.0 <= iopfl["tau"] <= 1.0 or iopfl["epochs"] < 1 or iopfl["shape_radius"] < 1 or iopfl["batch_size"] < 1:
+        raise ConfigError(f"{source}: iopfl.tau must lie in [0, 1] and iopfl.epochs, shape_radius, batch_size be >= 1")
     if cfg["fedprox"]["mu"] < 0:
         raise ConfigError(f"{source}: fedprox.mu must be >= 0, got {cfg['fedprox']['mu']}")
 

@@ -58,7 +58,7 @@ def assert_same_states(a: dict, b: dict):
 
 
 # fedsm and fedsm_extra run in the inference test, fedsm_fundus inside fedsm_extra_fundus
-COVERED_ELSEWHERE = ("fedsm", "fedsm_extra", "fedsm_fundus", "fedsm_infer")
+COVERED_ELSEWHERE = ("fedsm", "fedsm_extra", "fedsm_fundus", "fedsm_infer", "iopfl", "iopfl_route")  # iopfl*: test_iopfl.py
 
 
 def test_every_job_is_run_by_a_test():

@@ -333,6 +333,7 @@ class Site:
 
 #: methods whose site side lives in its own module ("module:Class", a subclass of Site), imported on use
 SITE_CLASSES: dict[str, str] = {}
+SITE_CLASSES.update(dict.fromkeys(("iopfl", "iopfl_route"), "pflseg.flare.iopfl_site:IOPFLSite"))
 
 
 def site_class(method: str) -> type[Site]:

@@ -5,6 +5,7 @@ from pflseg.flare.controllers.fedavg import FedAvgController
 from pflseg.flare.controllers.fedbn import FedBNController
 from pflseg.flare.controllers.fedsm import FedSMController, FedSMInferenceController
 from pflseg.flare.controllers.grace import GraceController
+from pflseg.flare.controllers.iopfl import IOPFLController, IOPFLRoutingController
 from pflseg.flare.controllers.local import LocalController
 
 CONTROLLERS = {
@@ -16,6 +17,8 @@ CONTROLLERS = {
     "fedsm": FedSMController,
     "fedsm_infer": FedSMInferenceController,
     "grace": GraceController,
+    "iopfl": IOPFLController,
+    "iopfl_route": IOPFLRoutingController,
 }
 
 __all__ = ["CONTROLLERS", "CentralizedController", "FedAvgController", "FedBNController", "FedSMController", "GraceController", "LocalController"]

@@ -1,0 +1,336 @@
+"""IOP-FL outside personalization: test-time routing of K + 1 frozen experts (Jiang et al., IEEE TMI 2023).
+
+Experts: the K local adapted models P_1..P_K and the global model w_g, all of one architecture. The
+routed model is a copy of that network in which every convolution and transposed convolution is a
+``RoutedConv`` holding the E = K + 1 expert kernels; for each sample x of a batch and each layer::
+
+    r = router(GAP(layer input))  in R^E          W(x) = sum_e r_e W_e ,  b(x) = sum_e r_e b_e
+
+Routers (``router``):
+    paper    one linear map + sigmoid, coefficients normalised to sum 1; weights and bias start at 0, so
+             every layer starts exactly at the average of the experts (default).
+    refcode  the reference code's router: Linear(C, 2C) -> Dropout(0.2) -> Linear(2C, E) -> independent
+             sigmoids (no normalisation, default PyTorch init: it does not start at the average).
+    global   one learnable coefficient vector per layer shared by all samples (normalised sigmoids,
+             uniform start): the paper's "IOP-FL (Global)" ablation.
+
+All E experts are in every routed layer and every router is trained (the reference code drops a source
+site in some layers and leaves the bottleneck routers untrained). The other parameters (normalisation,
+PReLU) are the experts' average; batch norm uses the test batch's statistics (instance norm needs
+nothing); only routers, and optionally the normalisation layers' affine parameters, are trainable.
+Per-sample kernels are applied as ONE grouped convolution over the batch (B * groups groups), never a
+Python loop over samples (``RoutedConv.forward_loop`` is the reference loop the tests compare with).
+
+Unsupervised test-time loss per sample, on sigmoid probabilities p (B, C, H, W)::
+
+    L = w_cons L_cons + w_shape L_shape + w_ent L_ent       paper: (1, beta, beta), beta = 0.01
+    L_cons  = mean (p(x) - p(x + eps))^2, eps ~ N(0, sigma^2) on the normalised image (sigma = 0.5), option
+              a random rot90/flip of the noisy input that is undone on its output
+    L_shape = sum_c mean_pixels (max_{(2d+1)^2 window} p_c - min_{window} p_c)
+    L_ent   = mean pixel binary entropy
+
+``refcode`` weights (what the reference code effectively optimises): 0.1 L_cons + 10 L_ent (its shape
+term is negligible and dropped). The shape term is a mean over pixels here (the paper writes a sum) so
+that beta does not depend on the image size. Per sample, the prediction made at its lowest loss is kept
+(``BestPredictions``); labels never choose. See ../shared/reference/ALGORITHMS.md section 3.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pflseg.algorithms.iopfl import average_states
+
+ROUTERS = ("paper", "refcode", "global")
+LOSS_WEIGHTS = ("paper", "refcode")
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_CONV_T = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_NORM = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.GroupNorm, nn.LayerNorm)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Routers: pooled layer input (B, C) -> coefficients (B, E) (or (1, E) for the global router)
+# ---------------------------------------------------------------------------------------------------
+
+
+class PaperRouter(nn.Module):
+    """sigmoid(Linear(C, E)) normalised to sum 1; zero init = uniform 1/E."""
+
+    def __init__(self, in_channels: int, n_experts: int):
+        super().__init__()
+        self.fc = nn.Linear(in_channels, n_experts)
+        nn.init.zeros_(self.fc.weight)
+        nn.init.zeros_(self.fc.bias)
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        r = torch.sigmoid(self.fc(pooled))
+        return r / r.sum(dim=1, keepdim=True)
+
+
+class RefcodeRouter(nn.Module):
+    """Linear(C, 2C) -> Dropout -> Linear(2C, E) -> independent sigmoids (reference code)."""
+
+    def __init__(self, in_channels: int, n_experts: int, dropout: float = 0.2):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(in_channels, 2 * in_channels), nn.Dropout(dropout),
+                                 nn.Linear(2 * in_channels, n_experts))
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.net(pooled))
+
+
+class GlobalRouter(nn.Module):
+    """One coefficient vector for every sample (normalised sigmoids, uniform start)."""
+
+    def __init__(self, in_channels: int, n_experts: int):
+        super().__init__()
+        self.logits = nn.Parameter(torch.zeros(n_experts))
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        r = torch.sigmoid(self.logits)
+        return (r / r.sum())[None]
+
+
+def make_router(kind: str, in_channels: int, n_experts: int) -> nn.Module:
+    if kind == "paper":
+        return PaperRouter(in_channels, n_experts)
+    if kind == "refcode":
+        return RefcodeRouter(in_channels, n_experts)
+    if kind == "global":
+        return GlobalRouter(in_channels, n_experts)
+    raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {kind!r}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The routed layer
+# ---------------------------------------------------------------------------------------------------
+
+
+class RoutedConv(nn.Module):
+    """A (transposed) convolution whose kernel is a per-sample mix of E frozen expert kernels.
+
+    Args:
+        experts: E modules of one type (``nn.Conv{1,2,3}d`` or ``nn.ConvTranspose{1,2,3}d``) and one
+            configuration; their weights (and biases) become frozen buffers of shape (E, *weight.shape).
+        router: ``paper`` | ``refcode`` | ``global`` (see the module docstring).
+
+    Input (B, C_in, *spatial) -> output (B, C_out, *spatial_out), as the expert convolution would give.
+    """
+
+    def __init__(self, experts: Sequence[nn.Module], router: str = "paper"):
+        super().__init__()
+        first = experts[0]
+        if not isinstance(first, _CONV + _CONV_T):
+            raise TypeError(f"experts: expected convolutions, got {type(first).__name__}")
+        for e in experts:
+            if type(e) is not type(first) or e.weight.shape != first.weight.shape or (e.bias is None) != (first.bias is None):
+                raise ValueError("experts: every expert layer must have the same type, kernel shape and bias")
+        if first.padding_mode != "zeros":
+            raise ValueError(f"RoutedConv supports padding_mode='zeros' only, got {first.padding_mode!r}")
+        self.transposed = isinstance(first, _CONV_T)
+        self.dims = first.weight.ndim - 2
+        self.stride, self.padding, self.dilation, self.groups = first.stride, first.padding, first.dilation, first.groups
+        self.output_padding = first.output_padding if self.transposed else None
+        self.register_buffer("weight", torch.stack([e.weight.detach() for e in experts]).clone())
+        self.register_buffer("bias", torch.stack([e.bias.detach() for e in experts]).clone() if first.bias is not None else None)
+        self.router_kind = router
+        self.router = make_router(router, first.in_channels, len(experts))
+
+    @property
+    def n_experts(self) -> int:
+        return self.weight.shape[0]
+
+    def coefficients(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C_in, ...) -> (B, E) routing coefficients from the globally pooled input."""
+        r = self.router(x.mean(dim=tuple(range(2, x.ndim))))
+        return r.expand(x.shape[0], -1)
+
+    def _conv(self, x, w, b, groups):
+        if self.transposed:
+            fn = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[self.dims - 1]
+            return fn(x, w, b, self.stride, self.padding, self.output_padding, groups, self.dilation)
+        fn = (F.conv1d, F.conv2d, F.conv3d)[self.dims - 1]
+        return fn(x, w, b, self.stride, self.padding, self.dilation, groups)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r = self.coefficients(x)  # (B, E)
+        if self.router_kind == "global":  # one kernel for the whole batch: a plain convolution
+            w = torch.einsum("e,e...->...", r[0], self.weight)
+            b = r[0] @ self.bias if self.bias is not None else None
+            return self._conv(x, w, b, self.groups)
+        batch = x.shape[0]
+        w = torch.einsum("be,e...->b...", r, self.weight)  # (B, *weight shape)
+        w = w.reshape(batch * w.shape[1], *w.shape[2:])
+        b = (r @ self.bias).reshape(-1) if self.bias is not None else None
+        out = self._conv(x.reshape(1, batch * x.shape[1], *x.shape[2:]), w, b, batch * self.groups)
+        return out.reshape(batch, -1, *out.shape[2:])
+
+    def forward_loop(self, x: torch.Tensor) -> torch.Tensor:
+        """Reference path: one convolution per sample (for tests; same result as ``forward``)."""
+        r = self.coefficients(x)
+        outs = []
+        for i in range(x.shape[0]):
+            w = torch.einsum("e,e...->...", r[i], self.weight)
+            b = r[i] @ self.bias if self.bias is not None else None
+            outs.append(self._conv(x[i:i + 1], w, b, self.groups))
+        return torch.cat(outs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Building the routed model from any network
+# ---------------------------------------------------------------------------------------------------
+
+
+def use_batch_stats(model: nn.Module) -> nn.Module:
+    """Batch-norm layers of ``model`` use the current batch's statistics in train and eval mode alike."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.track_running_stats = False
+            m.running_mean = None
+            m.running_var = None
+            m.num_batches_tracked = None
+    return model
+
+
+def norm_affine_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Affine parameters of the normalisation layers (found by module type)."""
+    return [p for m in model.modules() if isinstance(m, _NORM) for p in m.parameters(recurse=False)]
+
+
+def router_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for m in model.modules() if isinstance(m, RoutedConv) for p in m.router.parameters()]
+
+
+def build_routed_model(experts: Sequence[nn.Module], router: str = "paper", norm_affine: bool = False) -> nn.Module:
+    """The routed model of ``experts`` (E networks of one architecture, e.g. [P_1, ..., P_K, w_g]).
+
+    Every ``nn.Conv*`` / ``nn.ConvTranspose*`` becomes a ``RoutedConv`` over the E corresponding layers;
+    every other parameter and buffer is the experts' average; batch norm uses batch statistics. Only the
+    routers (and, with ``norm_affine``, the norm layers' affine parameters) require gradients. The
+    experts are not modified.
+    """
+    if len(experts) < 2:
+        raise ValueError(f"experts: need at least 2 networks to route between, got {len(experts)}")
+    keys = list(experts[0].state_dict())
+    for i, e in enumerate(experts[1:], 1):
+        if list(e.state_dict()) != keys:
+            raise ValueError(f"experts[{i}] has another architecture than experts[0] (state keys differ)")
+    model = copy.deepcopy(experts[0])
+    model.load_state_dict(average_states([e.state_dict() for e in experts]))
+    model.requires_grad_(False)
+    by_name = [dict(e.named_modules()) for e in experts]
+    targets = [name for name, m in model.named_modules() if isinstance(m, _CONV + _CONV_T)]
+    if not targets:
+        raise ValueError("experts: the network has no convolution to route")
+    for name in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, RoutedConv([m[name] for m in by_name], router))
+    use_batch_stats(model)
+    for p in norm_affine_parameters(model) if norm_affine else []:
+        p.requires_grad_(True)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------
+# The unsupervised test-time loss
+# ---------------------------------------------------------------------------------------------------
+
+
+def loss_weights(kind: str, beta: float = 0.01) -> dict:
+    """Weights of (cons, shape, ent): ``paper`` (1, beta, beta) or ``refcode`` (0.1, 0, 10)."""
+    if kind == "paper":
+        return {"cons": 1.0, "shape": beta, "ent": beta}
+    if kind == "refcode":
+        return {"cons": 0.1, "shape": 0.0, "ent": 10.0}
+    raise ValueError(f"loss_weights must be one of {', '.join(LOSS_WEIGHTS)}, got {kind!r}")
+
+
+def shape_loss(probs: torch.Tensor, radius: int = 2) -> torch.Tensor:
+    """Per sample: sum over classes of the pixel mean of (local max - local min) over a (2r+1)^2 window.
+
+    Args:
+        probs: (B, C, H, W) probabilities.
+    Returns:
+        (B,) losses; 0 for a constant map.
+    """
+    if radius < 1:
+        raise ValueError(f"radius must be >= 1, got {radius}")
+    k = 2 * radius + 1
+    pool = (F.max_pool1d, F.max_pool2d, F.max_pool3d)[probs.ndim - 3]
+    local_max = pool(probs, k, stride=1, padding=radius)
+    local_min = -pool(-probs, k, stride=1, padding=radius)
+    return (local_max - local_min).flatten(2).mean(2).sum(1)
+
+
+def entropy(probs: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Per sample mean binary entropy (nats) of sigmoid probabilities (B, C, ...) -> (B,); maximal at 0.5."""
+    p = probs.clamp(eps, 1 - eps)
+    return -(p * p.log() + (1 - p) * (1 - p).log()).flatten(1).mean(1)
+
+
+def consistency(probs: torch.Tensor, probs_aug: torch.Tensor) -> torch.Tensor:
+    """Per sample mean squared difference of two probability maps (B, C, ...) -> (B,)."""
+    return (probs - probs_aug).pow(2).flatten(1).mean(1)
+
+
+def _rot_flip(x: torch.Tensor, k: int, flip: bool, undo: bool = False) -> torch.Tensor:
+    if undo:
+        x = x.flip(-1) if flip else x
+        return torch.rot90(x, -k, dims=(-2, -1))
+    x = torch.rot90(x, k, dims=(-2, -1))
+    return x.flip(-1) if flip else x
+
+
+def unsupervised_loss(model: nn.Module, images: torch.Tensor, weights: dict, noise_std: float = 0.5,
+                      rot_flip: bool = False, radius: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample test-time loss and the probabilities of the clean input.
+
+    Args:
+        model: image (B, C_in, H, W) -> logits (B, C, H, W).
+        images: the normalised images.
+        weights: {"cons", "shape", "ent"} (``loss_weights``); a zero weight skips its term (and the
+            second forward pass when ``cons`` is 0).
+        noise_std: sigma of the Gaussian noise of the consistency term.
+        rot_flip: also apply a random rot90/flip to the noisy input, undone on its output (2D only).
+        radius: window radius d of the shape term.
+    Returns:
+        (loss (B,), probs (B, C, H, W)).
+    """
+    probs = torch.sigmoid(model(images))
+    loss = torch.zeros(images.shape[0], device=images.device)
+    if weights.get("cons", 0.0):
+        noisy = images + noise_std * torch.randn_like(images)
+        if rot_flip:
+            k, flip = int(torch.randint(0, 4, ())), bool(torch.randint(0, 2, ()))
+            p_aug = _rot_flip(torch.sigmoid(model(_rot_flip(noisy, k, flip))), k, flip, undo=True)
+        else:
+            p_aug = torch.sigmoid(model(noisy))
+        loss = loss + weights["cons"] * consistency(probs, p_aug)
+    if weights.get("shape", 0.0):
+        loss = loss + weights["shape"] * shape_loss(probs, radius)
+    if weights.get("ent", 0.0):
+        loss = loss + weights["ent"] * entropy(probs)
+    return loss, probs
+
+
+class BestPredictions:
+    """Per sample, the prediction made when its unsupervised loss was lowest (ties keep the first)."""
+
+    def __init__(self):
+        self.loss: dict = {}
+        self.pred: dict = {}
+
+    def update(self, keys: Sequence, losses: torch.Tensor, preds: torch.Tensor) -> None:
+        """keys: B hashable sample ids; losses (B,); preds (B, ...) (stored detached on the CPU)."""
+        if len(keys) != losses.shape[0] or len(keys) != preds.shape[0]:
+            raise ValueError(f"keys ({len(keys)}), losses {tuple(losses.shape)} and preds {tuple(preds.shape)} disagree")
+        for key, loss, pred in zip(keys, losses.detach().cpu().tolist(), preds.detach().cpu()):
+            if math.isfinite(loss) and (key not in self.loss or loss < self.loss[key]):
+                self.loss[key], self.pred[key] = loss, pred.clone()

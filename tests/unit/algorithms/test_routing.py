@@ -1,0 +1,140 @@
+import pytest
+import torch
+from torch import nn
+
+from pflseg.algorithms.iopfl import average_states
+from pflseg.algorithms.routing import (
+    BestPredictions,
+    RoutedConv,
+    build_routed_model,
+    entropy,
+    router_parameters,
+    shape_loss,
+    unsupervised_loss,
+    loss_weights,
+    use_batch_stats,
+)
+from pflseg.nets import build_net
+
+NET = {"channels": [4, 8, 16], "strides": [2, 2], "num_res_units": 1, "norm": "batch"}
+
+
+def experts(n=3, norm="batch"):
+    nets = []
+    for i in range(n):
+        torch.manual_seed(i)
+        net = build_net({**NET, "norm": norm})
+        with torch.no_grad():  # distinct norm affine params and running stats too
+            for m in net.modules():
+                if isinstance(m, nn.BatchNorm2d):
+                    m.weight.uniform_(0.5, 1.5)
+                    m.bias.uniform_(-0.2, 0.2)
+                    m.running_mean.uniform_(-1, 1)
+        nets.append(net)
+    return nets
+
+
+def averaged(nets):
+    net = build_net(NET)
+    net.load_state_dict(average_states([n.state_dict() for n in nets]))
+    return use_batch_stats(net)
+
+
+def test_every_conv_is_routed_over_all_experts():
+    nets = experts()
+    routed = build_routed_model(nets)
+    convs = [m for m in nets[0].modules() if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d))]
+    layers = [m for m in routed.modules() if isinstance(m, RoutedConv)]
+    assert len(layers) == len(convs) > 0 and all(m.n_experts == 3 for m in layers)
+    assert any(m.transposed for m in layers)
+
+
+@pytest.mark.parametrize("router", ["paper", "global"])
+def test_initial_routed_model_equals_averaged_model(router):
+    nets = experts()
+    x = torch.randn(4, 1, 16, 16)
+    routed = build_routed_model(nets, router=router).eval()
+    avg = averaged(nets).eval()
+    assert torch.allclose(routed(x), avg(x), atol=1e-5)
+    assert not torch.allclose(routed(x), use_batch_stats(nets[0]).eval()(x), atol=1e-3)
+
+
+def test_one_hot_router_gives_that_experts_output():
+    nets = experts()
+    routed = build_routed_model(nets).eval()
+    with torch.no_grad():
+        for m in routed.modules():
+            if isinstance(m, RoutedConv):
+                m.router.fc.bias.copy_(torch.tensor([-float("inf"), float("inf"), -float("inf")]))
+    # expected: expert 1's kernels, every other parameter the experts' average (as in the routed model)
+    state = average_states([n.state_dict() for n in nets])
+    for name, m in nets[1].named_modules():
+        if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d)):
+            state.update({f"{name}.{k}": v for k, v in m.state_dict().items()})
+    expert = build_net(NET)
+    expert.load_state_dict(state)
+    x = torch.randn(3, 1, 16, 16)
+    assert torch.allclose(routed(x), use_batch_stats(expert).eval()(x), atol=1e-5)
+
+
+@pytest.mark.parametrize("norm_affine", [False, True])
+def test_gradients_reach_only_routers_and_optionally_norm_affine(norm_affine):
+    routed = build_routed_model(experts(), norm_affine=norm_affine)
+    routed(torch.randn(2, 1, 16, 16)).pow(2).mean().backward()
+    with_grad = {n for n, p in routed.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    trainable = {n for n, p in routed.named_parameters() if p.requires_grad}
+    assert with_grad and with_grad <= trainable
+    assert any("router" in n for n in with_grad)
+    assert all("router" in n or ".adn.N." in n for n in trainable)
+    assert any(".adn.N." in n for n in trainable) == norm_affine
+    assert all(b.grad is None for b in routed.buffers())  # experts frozen
+
+
+@pytest.mark.parametrize("conv", [nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.ConvTranspose2d(3, 4, 3, 2, 1, output_padding=1),
+                                  nn.Conv2d(4, 4, 3, padding=1, groups=2), nn.Conv1d(3, 2, 3)])
+def test_grouped_path_equals_per_sample_loop(conv):
+    torch.manual_seed(0)
+    layers = [conv] + [type(conv)(**{k: getattr(conv, k) for k in ("in_channels", "out_channels", "kernel_size", "stride",
+                                                                   "padding", "groups")}) for _ in range(2)]
+    routed = RoutedConv(layers, router="refcode").eval()
+    x = torch.randn(5, conv.in_channels, *([8] * (conv.weight.ndim - 2)))
+    assert torch.allclose(routed(x), routed.forward_loop(x), atol=1e-5)
+    r = routed.coefficients(x)
+    assert not torch.allclose(r[0], r[1])  # per-sample coefficients really differ
+
+
+def test_shape_loss_zero_on_constant_positive_on_checkerboard():
+    const = torch.full((2, 1, 8, 8), 0.7)
+    assert torch.allclose(shape_loss(const, 1), torch.zeros(2))
+    board = ((torch.arange(8)[:, None] + torch.arange(8)[None]) % 2).float()[None, None]
+    assert torch.allclose(shape_loss(board, 1), torch.ones(1))  # every 3x3 window holds a 0 and a 1
+
+
+def test_entropy_is_maximal_at_one_half():
+    p = torch.tensor([0.01, 0.2, 0.5, 0.8, 0.99]).view(5, 1, 1, 1)
+    h = entropy(p)
+    assert h.argmax() == 2 and torch.allclose(h[2], torch.log(torch.tensor(2.0)))
+    assert torch.allclose(h[1], h[3])
+
+
+def test_lowest_loss_selection_keeps_the_right_prediction():
+    best = BestPredictions()
+    best.update(["a", "b"], torch.tensor([0.5, 0.2]), torch.tensor([[1], [2]]))
+    best.update(["b", "a"], torch.tensor([0.3, 0.1]), torch.tensor([[20], [10]]))
+    best.update(["a", "b"], torch.tensor([0.4, float("nan")]), torch.tensor([[100], [200]]))
+    assert best.pred["a"].item() == 10 and best.pred["b"].item() == 2
+    assert best.loss == {"a": pytest.approx(0.1), "b": pytest.approx(0.2)}
+
+
+def test_unsupervised_loss_is_per_sample_and_trains_the_routers():
+    torch.manual_seed(0)
+    routed = build_routed_model(experts())
+    loss, probs = unsupervised_loss(routed, torch.randn(3, 1, 16, 16), loss_weights("paper"), rot_flip=True)
+    assert loss.shape == (3,) and probs.shape == (3, 1, 16, 16) and (loss > 0).all()
+    loss.mean().backward()
+    assert all(p.grad is not None for p in router_parameters(routed))
+
+
+def test_bad_router_is_named():
+    with pytest.raises(ValueError, match="router"):
+        build_routed_model(experts(2), router="mlp")
