@@ -54,6 +54,11 @@ def _run(args) -> int:
 
         print(route_table(results))
         return 0
+    if "infer" in results:  # FedSM inference job
+        from pflseg.eval.tables import infer_table
+
+        print(infer_table(results))
+        return 0
     print(dice_table({args.job: results}))
     print(timing_summary(results))
     if results["missing"]:

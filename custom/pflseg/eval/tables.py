@@ -44,3 +44,16 @@ def timing_summary(results: dict) -> str:
         f"first round {wall[0]:.2f} s (site work {work[0]:.2f} s); later rounds {w:.2f} s each = "
         f"{c:.2f} s site work (local training + validation, slowest site) + {w - c:.2f} s FLARE overhead"
     )
+
+
+def infer_table(results: dict) -> str:
+    """FedSM inference job: per site, the global, own personalized (inside sites) and super model Dice per gamma."""
+    routes = sorted({r for site in results["infer"].values() for r in site["super"]})
+    lines = ["| site | global | personalized | " + " | ".join(f"super {r}" for r in routes) + " |",
+             "|" + "---|" * (len(routes) + 3)]
+    for name, site in sorted(results["infer"].items()):
+        person = site["personalized"]
+        cells = [f"{site['global']['dice']:.4f}", "-" if person is None else f"{person['dice']:.4f}"]
+        cells += [f"{site['super'][r]['dice']:.4f}" if r in site["super"] else "-" for r in routes]
+        lines.append(f"| {name}{'' if site['inside'] else ' (outside)'} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
