@@ -81,9 +81,11 @@ class LocalFederation:
         self._record()
         return proc.pid
 
+    def _server(self) -> str:
+        return next(p["name"] for p in self._project()["participants"] if p["type"] == "server")
+
     def start(self) -> None:
-        server = next(p["name"] for p in self._project()["participants"] if p["type"] == "server")
-        self.start_participant(server)
+        self.start_participant(self._server())
         for site in self.sites():
             self.start_participant(site)
         self.progress(f"started server and {len(self.sites())} site(s) (pids {self.pids})")
