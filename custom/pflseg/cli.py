@@ -30,9 +30,12 @@ def _jobs(args) -> int:
     from pflseg.config import job_names
     from pflseg.flare.jobs import export_job
 
+    from pflseg.config import parse_set
+
     sites = args.sites.split(",") if args.sites else None
+    overrides = parse_set(args.set) or None
     for name in args.names or job_names():
-        print(export_job(name, args.out, mode=args.mode, gpu_mem_gib=args.gpu_mem, sites=sites))
+        print(export_job(name, args.out, overrides=overrides, mode=args.mode, gpu_mem_gib=args.gpu_mem, sites=sites))
     return 0
 
 
@@ -145,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="package: no code in the job, sites pip-install pflseg (default); byoc: pflseg in app/custom")
     e.add_argument("--gpu-mem", type=float, metavar="GIB", help="require one GPU per site with this many GiB (meta.json resource_spec)")
     e.add_argument("--sites", help="comma-separated site names for a per-site resource_spec (with --gpu-mem)")
+    e.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. rounds=3")
 
     r = sub.add_parser("run", help="run a job in the FLARE simulator")
     r.add_argument("job")

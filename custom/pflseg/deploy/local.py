@@ -30,16 +30,21 @@ PROJECT_ADMIN = "admin@pflseg.org"
 class LocalFederation:
     """Provision, start, wait for and stop a loopback federation in ``workspace``."""
 
+    admin = PROJECT_ADMIN
+
     def __init__(self, workspace: str | Path, project_yml: str | Path = REPO_PROJECT, progress=print):
         self.workspace = Path(workspace).resolve()
         self.project_yml = Path(project_yml)
         self.progress = progress
-        self.kits = self.workspace / "provision" / yaml.safe_load(self.project_yml.read_text())["name"] / "prod_00"
+        self.kits = self._kits()
         self.pids: dict[str, int] = {}
         self._popen: list[subprocess.Popen] = []  # reaped in stop() when started by this process
         record = self.workspace / "federation.json"
         if record.is_file():
             self.pids = json.loads(record.read_text())["pids"]
+
+    def _kits(self) -> Path:
+        return self.workspace / "provision" / yaml.safe_load(self.project_yml.read_text())["name"] / "prod_00"
 
     # ---- participants ---------------------------------------------------------------------------
     def _project(self) -> dict:
@@ -54,8 +59,8 @@ class LocalFederation:
     def kit(self, name: str) -> Path:
         return self.kits / name
 
-    def admin_kit(self, user: str = PROJECT_ADMIN) -> Path:
-        return self.kit(user)
+    def admin_kit(self, user: str | None = None) -> Path:
+        return self.kit(user or self.admin)
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def provision(self, site_config: dict | None = None) -> Path:
@@ -63,12 +68,15 @@ class LocalFederation:
         ``local/pflseg_site.json`` (what ``pflseg site init`` writes)."""
         if self.running():
             raise RuntimeError(f"a federation from {self.workspace} is still running; stop it first (pflseg deploy stop)")
-        provision_loopback(self.workspace, self.project_yml)
+        self._provision()
         for site in self.sites():
             cfg = {"threads": max(1, (os.cpu_count() or 1) // len(self.sites())), **(site_config or {})}
             (self.kit(site) / "local" / "pflseg_site.json").write_text(json.dumps(cfg, indent=1))
         self.progress(f"provisioned {self.kits} (server localhost, sites {', '.join(self.sites())})")
         return self.kits
+
+    def _provision(self) -> None:
+        provision_loopback(self.workspace, self.project_yml)
 
     def start_participant(self, name: str) -> int:
         kit = self.kit(name)
@@ -90,10 +98,10 @@ class LocalFederation:
             self.start_participant(site)
         self.progress(f"started server and {len(self.sites())} site(s) (pids {self.pids})")
 
-    def session(self, user: str = PROJECT_ADMIN, timeout: float = 30.0):
+    def session(self, user: str | None = None, timeout: float = 30.0):
         from nvflare.fuel.flare_api.flare_api import new_secure_session
 
-        return new_secure_session(user, str(self.admin_kit(user)), timeout=timeout)
+        return new_secure_session(user or self.admin, str(self.admin_kit(user)), timeout=timeout)
 
     def connected(self, sess) -> list[str]:
         return sorted(c.name for c in sess.get_system_info().client_info)

@@ -26,6 +26,7 @@ from nvflare.lighter.spec import Builder
 from pflseg.deploy.allowlist import add_to_resources
 
 REPO_PROJECT = Path(__file__).resolve().parents[3] / "provisioning" / "project.yml"
+CLIENT_OUTCOME_WAIT_S = 30
 
 
 class PflsegBuilder(Builder):
@@ -99,6 +100,8 @@ def loopback_env(workspace: Path) -> dict:
     import sys
 
     env = {**os.environ, "HOME": str(workspace / "home")}
+    # the server waits this long for a dead site's job outcome before closing a job (FLARE default: 900 s)
+    env.setdefault("NVFLARE_CLIENT_OUTCOME_WAIT_TIMEOUT", str(CLIENT_OUTCOME_WAIT_S))
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     for var in ("PFLSEG_DATA", "PFLSEG_STATE_DIR", "PFLSEG_SITE_CONFIG", "NVFL_WORKSPACE"):
         env.pop(var, None)

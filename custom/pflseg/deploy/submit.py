@@ -24,8 +24,9 @@ def submit(job_dir: str | Path, kit: str | Path, user: str | None = None, timeou
            out: str | Path | None = None, progress=print, poll: float = 2.0) -> dict:
     """Submit ``job_dir`` as ``user`` (default: the kit folder's name), wait, download, return results.json.
 
-    Returns the results dict plus ``job_id``, ``status`` and ``download`` (the downloaded folder).
-    Raises SubmitError when the submission is refused (e.g. the user lacks the right) or the job fails.
+    Returns the results dict plus ``job_id``, ``status`` (FLARE's final job status) and ``download`` (the
+    downloaded folder). Raises SubmitError when the submission is refused (e.g. the user lacks the right)
+    or the job ends without pflseg's results.
     """
     from nvflare.fuel.flare_api.flare_api import new_secure_session
 
@@ -52,9 +53,11 @@ def submit(job_dir: str | Path, kit: str | Path, user: str | None = None, timeou
     finally:
         sess.close()
     found = sorted(download.rglob("results.json"))
-    if status != TERMINAL_OK or not found:
+    if not found:
         raise SubmitError(f"job {job_id} ended {status}; no results.json in {download}. "
                           f"Server log: {download}/**/log.txt")
+    if status != TERMINAL_OK:  # e.g. FINISHED:ABNORMAL when a site died: pflseg finished with the others
+        progress(f"job {job_id} ended {status} (FLARE's view: a site's job process failed); pflseg results follow")
     results = json.loads(found[0].read_text())
     results.update(job_id=job_id, status=status, download=str(download))
     return results
@@ -90,7 +93,8 @@ def metrics_table(results: dict) -> str:
     """Per-site metrics of a finished job: final test Dice of the global and the site's own model, last
     validation Dice, and the sites left out with the reason."""
     last_val = results["history"][-1].get("val_dice", {}) if results.get("history") else {}
-    lines = [f"job {results.get('job_id', '')} {results['job']} ({results['method']}, {results['rounds']} rounds)",
+    lines = [f"job {results.get('job_id', '')} {results['job']} ({results['method']}, {results['rounds']} rounds) "
+             f"{results.get('status', '')}",
              "| site | test Dice (global) | test Dice (site's own) | last val Dice |", "|---|---|---|---|"]
     for site in results["sites"]:
         test = results["test"].get(site)
