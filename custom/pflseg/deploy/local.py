@@ -134,6 +134,8 @@ class LocalFederation:
 
     def stop(self, timeout: float = 60.0) -> list[str]:
         """Shut the system down through the FLARE API, wait, clean up; return processes that had to be killed."""
+        if not self.processes():
+            return []
         try:
             sess = self.session(timeout=10.0)
             try:
