@@ -38,7 +38,7 @@ def fed(tmp_path_factory):
         federation.wait_connected(timeout=180)
         yield federation
     finally:
-        intruder.stop(timeout=5)
+        intruder.kill("site-1")
         federation.stop(timeout=30)
 
 
@@ -108,6 +108,6 @@ def test_site_killed_mid_round_personalized_job_finishes_without_it(fed, tmp_pat
 
 
 def test_shutdown_leaves_no_process(fed):
-    fed.intruder.stop(timeout=5)
+    fed.intruder.kill("site-1")
     fed.stop(timeout=60)
     assert fed.processes() == [] and fed.intruder.processes() == []

@@ -139,6 +139,7 @@ class LocalFederation:
         try:
             sess = self.session(timeout=10.0)
             try:
+                self._abort_jobs(sess)
                 sess.shutdown_system()
             finally:
                 sess.close()
@@ -158,6 +159,18 @@ class LocalFederation:
         self._record()
         self.progress(f"stopped in {time.time() - t0:.1f} s" + (f"; killed leftovers {killed}" if killed else ""))
         return killed
+
+    def _abort_jobs(self, sess, timeout: float = 30.0) -> None:
+        """FLARE refuses to shut down while a job runs: abort running jobs first and wait for them to end."""
+        active = ("SUBMITTED", "DISPATCHED", "RUNNING")
+        running = [j["job_id"] for j in sess.list_jobs() if j.get("status") in active]
+        for job_id in running:
+            self.progress(f"aborting running job {job_id}")
+            sess.abort_job(job_id)
+        t0 = time.time()
+        while running and time.time() - t0 < timeout:
+            time.sleep(1.0)
+            running = [j["job_id"] for j in sess.list_jobs() if j.get("status") in active]
 
     # ---- processes ------------------------------------------------------------------------------
     def processes(self) -> list[psutil.Process]:

@@ -46,8 +46,10 @@ class PocFederation(LocalFederation):
                   lambda c: [s["service"].update(target=f"localhost:{port}") for s in c["servers"]])
         for name in self.admins():
             _edit(self.kit(name) / "startup" / "fed_admin.json", lambda c: c["admin"].update(host="localhost", port=port))
-        for name in [server, *self.sites()]:
-            add_to_resources(self.kit(name) / "local" / "resources.json.default")
+        for name in [server, *self.sites()]:  # POC writes resources.json too, and it wins over the .default
+            for res in ("resources.json", "resources.json.default"):
+                if (self.kit(name) / "local" / res).is_file():
+                    add_to_resources(self.kit(name) / "local" / res)
 
 
 def _edit(path: Path, change) -> None:

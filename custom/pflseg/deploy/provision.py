@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 from pathlib import Path
@@ -87,6 +88,7 @@ def provision_loopback(workspace: str | Path, project_yml: str | Path = REPO_PRO
     (workspace / "home").mkdir(exist_ok=True)
     path = workspace / "project.yml"
     path.write_text(yaml.safe_dump(project, sort_keys=False))
+    shutil.rmtree(workspace / "provision", ignore_errors=True)  # fresh kits (and a fresh CA) every time
     cmd = ["nvflare", "provision", "-p", str(path), "-w", str(workspace / "provision")]
     proc = subprocess.run(cmd, env=loopback_env(workspace), capture_output=True, text=True)
     kits = workspace / "provision" / project["name"] / "prod_00"
