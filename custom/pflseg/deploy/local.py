@@ -39,6 +39,7 @@ class LocalFederation:
         self.kits = self._kits()
         self.pids: dict[str, int] = {}
         self._popen: list[subprocess.Popen] = []  # reaped in stop() when started by this process
+        self.killed: set[str] = set()  # sites killed on purpose (the server still lists them until it times out)
         record = self.workspace / "federation.json"
         if record.is_file():
             self.pids = json.loads(record.read_text())["pids"]
@@ -131,6 +132,7 @@ class LocalFederation:
         """Kill a participant at once with everything it started (a crashed host)."""
         for proc in self._tree([self.pids[name]]):
             _signal(proc, signal.SIGKILL)
+        self.killed.add(name)
 
     def stop(self, timeout: float = 60.0) -> list[str]:
         """Shut the system down through the FLARE API, wait, clean up; return processes that had to be killed."""
@@ -140,6 +142,8 @@ class LocalFederation:
             sess = self.session(timeout=10.0)
             try:
                 self._abort_jobs(sess)
+                for site in sorted(self.killed & set(self.connected(sess))):
+                    sess.remove_client(site)  # else the server waits 30 s for it to say goodbye
                 sess.shutdown_system()
             finally:
                 sess.close()
