@@ -30,8 +30,74 @@ def _jobs(args) -> int:
     from pflseg.config import job_names
     from pflseg.flare.jobs import export_job
 
+    from pflseg.config import parse_set
+
+    sites = args.sites.split(",") if args.sites else None
+    overrides = parse_set(args.set) or None
     for name in args.names or job_names():
-        print(export_job(name, args.out))
+        print(export_job(name, args.out, overrides=overrides, mode=args.mode, gpu_mem_gib=args.gpu_mem, sites=sites))
+    return 0
+
+
+def _deploy(args) -> int:
+    from pflseg.deploy.local import LocalFederation
+
+    fed = LocalFederation(args.workspace, **({"project_yml": args.project} if getattr(args, "project", None) else {}))
+    if args.deploy_cmd == "local":
+        site_cfg = {"device": args.device}
+        if args.data:
+            site_cfg["data"] = str(Path(args.data).resolve())
+        fed.provision(site_cfg)
+        fed.start()
+        fed.wait_connected(timeout=args.timeout)
+        kit = fed.admin_kit()
+        print(f"federation running ({fed.rss_bytes() / 2**30:.2f} GiB resident); admin kit: {kit}")
+        print(f"  submit:  pflseg submit jobs/fedavg --kit {kit}")
+        print(f"  console: {kit}/startup/fl_admin.sh")
+        print(f"  stop:    pflseg deploy stop --workspace {args.workspace}")
+    elif args.deploy_cmd == "status":
+        sess = fed.session()
+        try:
+            print(f"connected sites: {', '.join(fed.connected(sess)) or 'none'}")
+        finally:
+            sess.close()
+        print(f"{len(fed.processes())} process(es), {fed.rss_bytes() / 2**30:.2f} GiB resident")
+    else:
+        killed = fed.stop()
+        left = fed.processes()
+        print(f"stopped; {len(killed)} leftover process(es) killed; {len(left)} still alive")
+        return 1 if left else 0
+    return 0
+
+
+def _poc(args) -> int:
+    from pflseg.config import parse_set
+    from pflseg.deploy.poc import PocFederation
+    from pflseg.deploy.submit import metrics_table, submit
+    from pflseg.flare.jobs import export_job
+
+    overrides = parse_set(args.set)
+    overrides.setdefault("rounds", args.rounds)
+    overrides.setdefault("min_clients", min(args.sites, 2))
+    fed = PocFederation(args.workspace, n_sites=args.sites)
+    fed.provision({"data": str(Path(args.data).resolve())} if args.data else None)
+    try:
+        fed.start()
+        fed.wait_connected()
+        job = export_job(args.job, fed.workspace / "jobs", overrides=overrides)
+        results = submit(job, fed.admin_kit(), out=fed.workspace / "results")
+        print(metrics_table(results))
+    finally:
+        fed.stop()
+    return 0
+
+
+def _submit(args) -> int:
+    from pflseg.deploy.submit import metrics_table, submit
+
+    results = submit(args.job, args.kit, user=args.user, timeout=args.timeout, out=args.out)
+    print(metrics_table(results))
+    print(f"downloaded to {results['download']}")
     return 0
 
 
@@ -124,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     e = j.add_parser("export", help="write jobs/<name>/ from app_configs/")
     e.add_argument("names", nargs="*")
     e.add_argument("--out", default="jobs")
+    e.add_argument("--mode", choices=["package", "byoc"], default="package",
+                   help="package: no code in the job, sites pip-install pflseg (default); byoc: pflseg in app/custom")
+    e.add_argument("--gpu-mem", type=float, metavar="GIB", help="require one GPU per site with this many GiB (meta.json resource_spec)")
+    e.add_argument("--sites", help="comma-separated site names for a per-site resource_spec (with --gpu-mem)")
+    e.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. rounds=3")
 
     r = sub.add_parser("run", help="run a job in the FLARE simulator")
     r.add_argument("job")
@@ -156,6 +227,36 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument("--threads", type=int)
     lo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for both jobs")
 
+    dep = sub.add_parser("deploy", help="a provisioned federation on this machine (loopback)")
+    dep.set_defaults(func=_deploy)
+    dsub = dep.add_subparsers(dest="deploy_cmd", required=True)
+    dl = dsub.add_parser("local", help="provision provisioning/project.yml on loopback, start server + sites, wait")
+    dl.add_argument("--project", help="project.yml (default: provisioning/project.yml)")
+    dl.add_argument("--data", help="data root every site uses (default: synthetic data made at each site)")
+    dl.add_argument("--device", default="auto")
+    dl.add_argument("--timeout", type=float, default=180.0)
+    for name, text in (("status", "connected sites and resident memory"), ("stop", "shut down through the FLARE API")):
+        dsub.add_parser(name, help=text)
+    for parser in dsub.choices.values():
+        parser.add_argument("--workspace", default="runs/federation")
+
+    sb = sub.add_parser("submit", help="submit a job folder through the FLARE API, wait, download, print per-site metrics")
+    sb.add_argument("job", help="job folder (e.g. jobs/fedavg)")
+    sb.add_argument("--kit", required=True, help="the admin's startup kit folder")
+    sb.add_argument("--user", help="admin user name (default: the kit folder's name)")
+    sb.add_argument("--timeout", type=float, default=3600.0)
+    sb.add_argument("--out", help="where to put the downloaded job (default: the kit's transfer folder)")
+    sb.set_defaults(func=_submit)
+
+    pc = sub.add_parser("poc", help="FLARE POC on loopback: prepare, start, submit one job, print per-site metrics, stop")
+    pc.add_argument("--job", default="fedavg")
+    pc.add_argument("--sites", type=int, default=2)
+    pc.add_argument("--rounds", type=int, default=2)
+    pc.add_argument("--data", help="data root (default: synthetic data made at each site)")
+    pc.add_argument("--workspace", default="runs/poc")
+    pc.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    pc.set_defaults(func=_poc)
+
     sp = sub.add_parser("site", help="site-local configuration")
     sp.set_defaults(func=_site)
     si = sp.add_subparsers(dest="site_cmd", required=True)
@@ -174,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (ConfigError, DataError, FileNotFoundError, RuntimeError) as exc:
+    except (ConfigError, DataError, FileNotFoundError, RuntimeError, ValueError) as exc:
         print(f"pflseg: error: {exc}", file=sys.stderr)
         return 2
 

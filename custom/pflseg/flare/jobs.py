@@ -1,9 +1,15 @@
 """Effective config -> FLARE FedJob, and export of ``jobs/<name>/`` folders.
 
 A job is: the method's controller (carrying the whole effective config), the TensorBoard receiver on the
-server, and on every site the one client script (``pflseg.flare.client``, started by the three-line
-``job_client.py`` the job carries) through ScriptRunner with torch tensors end to end. pflseg itself is
-declared a pre-installed package, so the job's custom folder holds that launcher only.
+server, and on every site the one client script (``pflseg.flare.client``) run by FLARE's Client API
+executor with torch tensors end to end. Two ways to ship the code:
+
+- ``package`` (default): sites pip-install pflseg; the job carries no code at all (no ``app/custom``), its
+  site executor is ``pflseg.flare.executor.SiteExecutor`` (runs the installed launcher), and FLARE only
+  builds the job's pflseg classes because provisioning put them on every site's ``class_allow_list``.
+  No ``byoc`` right is needed.
+- ``byoc``: the job carries the pflseg package and the three-line launcher ``job_client.py`` in
+  ``app/custom`` (FLARE puts that folder first on the job's import path); needs the ``byoc`` right.
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ from nvflare.job_config.api import FedJob
 from nvflare.job_config.script_runner import ScriptRunner
 
 from pflseg.config import job_names, load_job_config
+from pflseg.deploy.allowlist import add_to_resources
 from pflseg.flare.controllers import CONTROLLERS
+from pflseg.flare.executor import SiteExecutor
 
 CLIENT_SCRIPT = Path(__file__).with_name("job_client.py")  # runs pflseg.flare.client.main
 
@@ -33,28 +41,70 @@ CLIENT_SCRIPT = Path(__file__).with_name("job_client.py")  # runs pflseg.flare.c
 TASK_REQUEST_INTERVAL = 0.2
 
 
-def build_job(cfg: dict) -> FedJob:
-    """The FLARE job of effective config ``cfg`` (from ``pflseg.config.load_job_config``)."""
+MODES = ("package", "byoc")
+
+
+def build_job(cfg: dict, mode: str = "package") -> FedJob:
+    """The FLARE job of effective config ``cfg`` (from ``pflseg.config.load_job_config``) in ``mode`` (see MODES)."""
+    if mode not in MODES:
+        raise ValueError(f"job mode '{mode}' is unknown; use one of {', '.join(MODES)}")
     job = FedJob(name=cfg["name"], min_clients=cfg["min_clients"])
     job.to_server(CONTROLLERS[cfg["method"]](config=cfg), id="controller")
     job.to_server(TBAnalyticsReceiver(events=["fed.analytix_log_stats", "analytix_log_stats"]), id="receiver")
     job.to_server({"server": {"task_request_interval": TASK_REQUEST_INTERVAL}})
-    # relative to the script's folder, so that the job carries it as app/custom/job_client.py (see _in_script_dir)
-    job.to_clients(ScriptRunner(script=CLIENT_SCRIPT.name, server_expected_format=ExchangeFormat.PYTORCH))
+    if mode == "package":
+        job.to_clients(SiteExecutor(), tasks=["*"])
+    else:  # relative to the script's folder, so that the job carries it as app/custom/job_client.py (see _in_script_dir)
+        job.to_clients(ScriptRunner(script=CLIENT_SCRIPT.name, server_expected_format=ExchangeFormat.PYTORCH))
     job.to_clients(ConvertToFedEvent(events_to_convert=["analytix_log_stats"], fed_event_prefix="fed."), id="event_to_fed")
     job.set_app_packages(["pflseg"])
     return job
 
 
-def export_job(name: str, out_dir: str | Path, overrides: dict | None = None) -> Path:
-    """Write ``<out_dir>/<name>/`` (meta.json, app/config/*.json, app/custom/job_client.py)."""
+def export_job(name: str, out_dir: str | Path, overrides: dict | None = None, mode: str = "package",
+               gpu_mem_gib: float | None = None, sites: list[str] | None = None, job_name: str | None = None) -> Path:
+    """Write ``<out_dir>/<job_name or name>/`` (meta.json, app/config/*.json; in byoc mode also app/custom/).
+
+    Args:
+        mode: ``package`` (no code in the job) or ``byoc`` (pflseg + launcher in app/custom).
+        gpu_mem_gib: ask every site for one GPU with at least this much free memory (meta.json resource_spec);
+            None = no GPU requirement (sites use CUDA when they have it, CPU otherwise).
+        sites: site names for a per-site resource_spec (needed to state GPU memory); without them the
+            requirement is ``{"@default": {"num_of_gpus": 1}}`` (any GPU size).
+        job_name: folder and FLARE job name (default: the config name).
+    """
     out_dir = Path(out_dir).resolve()
-    target = out_dir / name
+    cfg = load_job_config(name, overrides=overrides)
+    if job_name:
+        cfg["name"] = job_name
+    target = out_dir / cfg["name"]
     if target.exists():
         shutil.rmtree(target)
     with _in_script_dir():
-        build_job(load_job_config(name, overrides=overrides)).export_job(str(out_dir))
+        build_job(cfg, mode).export_job(str(out_dir))
+    if mode == "byoc":
+        shutil.copytree(Path(__file__).resolve().parents[1], target / "app" / "custom" / "pflseg",
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    if gpu_mem_gib is not None:
+        meta_path = target / "meta.json"
+        meta = json.loads(meta_path.read_text())
+        meta["resource_spec"] = gpu_resource_spec(gpu_mem_gib, sites)
+        meta_path.write_text(json.dumps(meta, indent=4))
     return target
+
+
+def gpu_resource_spec(mem_gib: float, sites: list[str] | None = None) -> dict:
+    """meta.json ``resource_spec``: one GPU per site with at least ``mem_gib`` GiB.
+
+    FLARE's GPUResourceManager compares this with the ``mem_per_gpu_in_GiB`` a site declares (its project.yml
+    ``capacity``); a nominal "16 GB" card has about 14.6-15.9 GiB usable, so ask for what the job needs
+    (measure it), never for a card's nominal size. ``@default`` can only carry the GPU count.
+    """
+    if mem_gib <= 0:
+        raise ValueError(f"GPU memory {mem_gib} GiB: give a positive number of GiB (what one site's training needs)")
+    if not sites:
+        return {"@default": {"num_of_gpus": 1}}
+    return {site: {"num_of_gpus": 1, "mem_per_gpu_in_GiB": mem_gib} for site in sites}
 
 
 def _in_script_dir():
@@ -94,6 +144,7 @@ def run_simulator(
             raise FileNotFoundError(f"--data {data}: no dataset.json there; make one with `pflseg data synth|index`")
         env["PFLSEG_DATA"] = str(data)
     workspace.mkdir(parents=True, exist_ok=True)
+    add_to_resources(workspace / "sim" / "local" / "resources.json")  # package-mode jobs: pflseg classes allowed
     cmd = ["nvflare", "simulator", str(job_dir), "-w", str(workspace / "sim"), "-n", str(n_sites),
            "-t", str(threads or n_sites)] + (["-c", ",".join(clients)] if clients else [])
     progress(f"[{name}] {' '.join(cmd)}")
@@ -196,6 +247,7 @@ def run_simenv(name: str, workspace: str | Path, n_sites: int = 3, threads: int 
 
     workspace = Path(workspace).resolve()
     os.environ.setdefault("PFLSEG_STATE_DIR", str(workspace / "state"))
+    add_to_resources(workspace / "sim" / name / "local" / "resources.json")  # SimEnv's workspace for this job
     with _in_script_dir():
         job = build_job(load_job_config(name, overrides=overrides))
         Recipe(job).execute(SimEnv(num_clients=n_sites, num_threads=threads or n_sites,

@@ -32,8 +32,8 @@ def test_export_carries_every_effective_value(tmp_path):
     carried = server["workflows"][0]["args"]["config"]
     assert carried == load_job_config("fedprox", overrides={"fedprox": {"mu": 0.5}})
     client = json.loads((job / "app" / "config" / "config_fed_client.json").read_text())
-    assert client["executors"][0]["executor"]["args"]["task_script_path"] == "job_client.py"
-    assert [p.name for p in (job / "app" / "custom").iterdir()] == ["job_client.py"]
+    assert client["executors"][0]["executor"]["path"] == "pflseg.flare.executor.SiteExecutor"
+    assert not (job / "app" / "custom").exists()  # package mode: the job carries no code
     assert json.loads((job / "meta.json").read_text())["deploy_map"] == {"app": ["@ALL"]}
 
 

@@ -143,9 +143,16 @@ class RoundController(ModelController):
         """Send each site its own payload; wait; return usable results by site (sorted).
 
         A site that fails, times out, reports an error or sends an unusable update is named in the log and
-        in ``self.missing``; fewer than ``min_clients`` usable answers raise RoundError.
+        in ``self.missing``; fewer than ``min_clients`` usable answers raise RoundError. A site that gave
+        no result at all (crashed, disconnected, timed out) is out for the rest of the job: it gets no
+        further tasks (no more waiting for a dead site), its personalized state stays as it last was.
         """
         results: dict[str, FLModel] = {}
+        gone = getattr(self, "gone", set())
+        for site in sorted(set(payloads) & gone):
+            self.error(f"{task}: site {site} left out: out of the job since it stopped answering")
+        need = min(self.cfg["min_clients"], len(payloads))
+        payloads = {s: p for s, p in payloads.items() if s not in gone}
 
         def collect(result: FLModel):
             results[result.meta.get("client_name", "?")] = result
@@ -162,6 +169,8 @@ class RoundController(ModelController):
             reason = None
             if res is None:
                 reason = "no result (site failed, disconnected or timed out)"
+                gone.add(site)
+                self.gone = gone
             elif res.meta.get("pflseg_error"):
                 reason = res.meta["pflseg_error"]
             elif reference is not None:
@@ -171,7 +180,6 @@ class RoundController(ModelController):
                 self.missing[site] = reason
             else:
                 usable[site] = res
-        need = min(self.cfg["min_clients"], len(payloads))
         if len(usable) < need:
             raise RoundError(
                 f"task '{task}': only {len(usable)} of {len(payloads)} site(s) answered usably, min_clients={need}. "

@@ -1,0 +1,233 @@
+"""A provisioned federation on this machine: server and sites as separate processes, loopback only.
+
+    fed = LocalFederation("runs/federation"); fed.provision(); fed.start(); fed.wait_connected()
+    ... submit jobs with fed.admin_kit() ...
+    fed.stop()   # shutdown through the FLARE API, then checks that no process is left
+
+Every participant runs its provisioned kit's own ``startup/sub_start.sh --once`` (what ``start.sh`` runs,
+without the restart watchdog) in its own process session; the workspace has its own HOME and job storage.
+``federation.json`` in the workspace records the processes, so ``pflseg deploy stop`` can stop a
+federation that ``pflseg deploy local`` left running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import yaml
+
+from pflseg.deploy.provision import REPO_PROJECT, loopback_env, provision_loopback
+
+PROJECT_ADMIN = "admin@pflseg.org"
+
+
+class LocalFederation:
+    """Provision, start, wait for and stop a loopback federation in ``workspace``."""
+
+    admin = PROJECT_ADMIN
+
+    def __init__(self, workspace: str | Path, project_yml: str | Path = REPO_PROJECT, progress=print):
+        self.workspace = Path(workspace).resolve()
+        self.project_yml = Path(project_yml)
+        self.progress = progress
+        self.kits = self._kits()
+        self.pids: dict[str, int] = {}
+        self._popen: list[subprocess.Popen] = []  # reaped in stop() when started by this process
+        self.killed: set[str] = set()  # sites killed on purpose (the server still lists them until it times out)
+        record = self.workspace / "federation.json"
+        if record.is_file():
+            self.pids = json.loads(record.read_text())["pids"]
+
+    def _kits(self) -> Path:
+        return self.workspace / "provision" / yaml.safe_load(self.project_yml.read_text())["name"] / "prod_00"
+
+    # ---- participants ---------------------------------------------------------------------------
+    def _project(self) -> dict:
+        return yaml.safe_load((self.workspace / "project.yml").read_text())
+
+    def sites(self) -> list[str]:
+        return sorted(p["name"] for p in self._project()["participants"] if p["type"] == "client")
+
+    def admins(self) -> dict[str, str]:
+        return {p["name"]: p.get("role", "") for p in self._project()["participants"] if p["type"] == "admin"}
+
+    def kit(self, name: str) -> Path:
+        return self.kits / name
+
+    def admin_kit(self, user: str | None = None) -> Path:
+        return self.kit(user or self.admin)
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def provision(self, site_config: dict | None = None) -> Path:
+        """Provision on loopback (fresh kits, free port). ``site_config``: written as every site's
+        ``local/pflseg_site.json`` (what ``pflseg site init`` writes)."""
+        if self.running():
+            raise RuntimeError(f"a federation from {self.workspace} is still running; stop it first (pflseg deploy stop)")
+        self._provision()
+        for site in self.sites():
+            cfg = {"threads": max(1, (os.cpu_count() or 1) // len(self.sites())), **(site_config or {})}
+            (self.kit(site) / "local" / "pflseg_site.json").write_text(json.dumps(cfg, indent=1))
+        self.progress(f"provisioned {self.kits} (server localhost, sites {', '.join(self.sites())})")
+        return self.kits
+
+    def _provision(self) -> None:
+        provision_loopback(self.workspace, self.project_yml)
+
+    def start_participant(self, name: str) -> int:
+        kit = self.kit(name)
+        log = open(kit / "console.log", "a")
+        proc = subprocess.Popen(["bash", str(kit / "startup" / "sub_start.sh"), "--once"], cwd=kit,
+                                env=loopback_env(self.workspace), stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        self.pids[name] = proc.pid
+        self._popen.append(proc)
+        self._record()
+        return proc.pid
+
+    def _server(self) -> str:
+        return next(p["name"] for p in self._project()["participants"] if p["type"] == "server")
+
+    def start(self) -> None:
+        self.start_participant(self._server())
+        for site in self.sites():
+            self.start_participant(site)
+        self.progress(f"started server and {len(self.sites())} site(s) (pids {self.pids})")
+
+    def session(self, user: str | None = None, timeout: float = 30.0):
+        from nvflare.fuel.flare_api.flare_api import new_secure_session
+
+        return new_secure_session(user or self.admin, str(self.admin_kit(user)), timeout=timeout)
+
+    def connected(self, sess) -> list[str]:
+        return sorted(c.name for c in sess.get_system_info().client_info)
+
+    def wait_connected(self, sites: list[str] | None = None, timeout: float = 180.0) -> list[str]:
+        """Wait until ``sites`` (default: all) are connected to the server; return the connected sites."""
+        want, t0 = set(sites or self.sites()), time.time()
+        sess = None
+        try:
+            while True:
+                try:
+                    sess = sess or self.session()
+                    now = self.connected(sess)
+                    if want <= set(now):
+                        self.progress(f"connected: {', '.join(now)} after {time.time() - t0:.1f} s")
+                        return now
+                except Exception as exc:  # server still starting: no admin connection yet
+                    now = [f"(server not ready: {exc.__class__.__name__})"]
+                if time.time() - t0 > timeout:
+                    raise RuntimeError(f"only {now} connected after {timeout:.0f} s; see {self.kits}/*/log.txt")
+                time.sleep(1.0)
+        finally:
+            if sess is not None:
+                sess.close()
+
+    def kill(self, name: str) -> None:
+        """Kill a participant at once with everything it started (a crashed host)."""
+        for proc in self._tree([self.pids[name]]):
+            _signal(proc, signal.SIGKILL)
+        self.killed.add(name)
+
+    def stop(self, timeout: float = 60.0) -> list[str]:
+        """Shut the system down through the FLARE API, wait, clean up; return processes that had to be killed."""
+        if not self.processes():
+            return []
+        try:
+            sess = self.session(timeout=10.0)
+            try:
+                self._abort_jobs(sess)
+                for site in sorted(self.killed & set(self.connected(sess))):
+                    sess.remove_client(site)  # else the server waits 30 s for it to say goodbye
+                sess.shutdown_system()
+            finally:
+                sess.close()
+        except Exception as exc:
+            self.progress(f"FLARE API shutdown failed ({exc}); stopping the processes directly")
+        t0 = time.time()
+        while self.processes() and time.time() - t0 < timeout:
+            time.sleep(0.5)
+        killed = []
+        for proc in self.processes():
+            killed.append(f"{proc.pid} {' '.join(proc.cmdline())[:120]}")
+            _signal(proc, signal.SIGKILL)
+        psutil.wait_procs(self.processes(), timeout=10)
+        for proc in self._popen:
+            proc.wait(timeout=10)
+        self.pids = {}
+        self._record()
+        self.progress(f"stopped in {time.time() - t0:.1f} s" + (f"; killed leftovers {killed}" if killed else ""))
+        return killed
+
+    def _abort_jobs(self, sess, timeout: float = 30.0) -> None:
+        """FLARE refuses to shut down while a job runs: abort running jobs first and wait for them to end."""
+        active = ("SUBMITTED", "DISPATCHED", "RUNNING")
+        running = [j["job_id"] for j in sess.list_jobs() if j.get("status") in active]
+        for job_id in running:
+            self.progress(f"aborting running job {job_id}")
+            sess.abort_job(job_id)
+        t0 = time.time()
+        while running and time.time() - t0 < timeout:
+            time.sleep(1.0)
+            running = [j["job_id"] for j in sess.list_jobs() if j.get("status") in active]
+
+    # ---- processes ------------------------------------------------------------------------------
+    def processes(self) -> list[psutil.Process]:
+        """Every live process of this federation: the started ones, their descendants, and any process
+        whose command line names this workspace (job processes)."""
+        found = {p.pid: p for p in self._tree(self.pids.values())}
+        marker = str(self.kits)
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            try:
+                if proc.info["cmdline"] and any(marker in arg for arg in proc.info["cmdline"]):
+                    found.setdefault(proc.pid, proc)
+            except psutil.Error:
+                pass
+        return [p for p in found.values() if _alive(p)]
+
+    def running(self) -> bool:
+        return bool(self.processes())
+
+    def rss_bytes(self) -> int:
+        """Summed resident memory of every process of the federation."""
+        total = 0
+        for proc in self.processes():
+            try:
+                total += proc.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+
+    @staticmethod
+    def _tree(pids) -> list[psutil.Process]:
+        out = []
+        for pid in pids:
+            try:
+                root = psutil.Process(pid)
+                out += [root, *root.children(recursive=True)]
+            except psutil.Error:
+                pass
+        return out
+
+    def _record(self) -> None:
+        self.workspace.mkdir(parents=True, exist_ok=True)
+        (self.workspace / "federation.json").write_text(json.dumps({"pids": self.pids}, indent=1))
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _signal(proc: psutil.Process, sig) -> None:
+    try:
+        proc.send_signal(sig)
+    except psutil.Error:
+        pass

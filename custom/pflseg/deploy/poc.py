@@ -1,0 +1,58 @@
+"""The researchers' quick path: FLARE POC on this machine, loopback only, one job, stop.
+
+``nvflare poc prepare`` (with the workspace's own HOME and NVFLARE_POC_WORKSPACE), then its kits are
+bound to ``localhost`` on a free port and get pflseg's classes on their allow lists; server and sites start
+as separate processes like ``pflseg deploy local``; the job goes in through the FLARE API.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+from pflseg.deploy.allowlist import add_to_resources
+from pflseg.deploy.local import LocalFederation
+from pflseg.deploy.provision import free_port, loopback_env
+
+
+class PocFederation(LocalFederation):
+    """A FLARE POC workspace (``nvflare poc prepare -n N``) run as a LocalFederation."""
+
+    admin = "admin@nvidia.com"
+
+    def __init__(self, workspace: str | Path, n_sites: int = 2, progress=print):
+        self.n_sites = n_sites
+        super().__init__(workspace, progress=progress)
+
+    def _kits(self) -> Path:
+        return self.workspace / "poc" / "example_project" / "prod_00"
+
+    def _provision(self) -> None:
+        (self.workspace / "home").mkdir(parents=True, exist_ok=True)
+        env = {**loopback_env(self.workspace), "NVFLARE_POC_WORKSPACE": str(self.workspace / "poc")}
+        cmd = ["nvflare", "poc", "prepare", "-n", str(self.n_sites), "--force"]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0 or not self.kits.is_dir():
+            raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): {proc.stdout[-1500:]}{proc.stderr[-1500:]}")
+        shutil.copy(self.workspace / "poc" / "project.yml", self.workspace / "project.yml")
+        port = free_port()
+        server = self._server()
+        _edit(self.kit(server) / "startup" / "fed_server.json",
+              lambda c: [s.update(admin_port=port, service={**s["service"], "target": f"localhost:{port}"}) for s in c["servers"]])
+        for site in self.sites():
+            _edit(self.kit(site) / "startup" / "fed_client.json",
+                  lambda c: [s["service"].update(target=f"localhost:{port}") for s in c["servers"]])
+        for name in self.admins():
+            _edit(self.kit(name) / "startup" / "fed_admin.json", lambda c: c["admin"].update(host="localhost", port=port))
+        for name in [server, *self.sites()]:  # POC writes resources.json too, and it wins over the .default
+            for res in ("resources.json", "resources.json.default"):
+                if (self.kit(name) / "local" / res).is_file():
+                    add_to_resources(self.kit(name) / "local" / res)
+
+
+def _edit(path: Path, change) -> None:
+    cfg = json.loads(path.read_text())
+    change(cfg)
+    path.write_text(json.dumps(cfg, indent=2))

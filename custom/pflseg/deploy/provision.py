@@ -1,0 +1,110 @@
+"""Provisioning: the pflseg builder for ``nvflare provision`` and a loopback variant of project.yml.
+
+``PflsegBuilder`` (listed in provisioning/project.yml after FLARE's StaticFileBuilder) writes into every
+startup kit what a package-mode deployment needs:
+
+- the server's and every site's ``local/resources.json.default`` get pflseg's job classes on their
+  ``class_allow_list`` (``pflseg.deploy.allowlist``), so jobs without custom code can run;
+- the server's job store and snapshots go to ``storage_root`` (FLARE's kits default to the shared
+  ``/tmp/nvflare/jobs-storage``): one folder per deployment.
+
+``provision_loopback`` provisions the same project on this machine only: the server is ``localhost`` on a
+free port, storage inside the workspace, HOME inside the workspace (nvflare writes ~/.nvflare).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import yaml
+from nvflare.lighter.spec import Builder
+
+from pflseg.deploy.allowlist import add_to_resources
+
+REPO_PROJECT = Path(__file__).resolve().parents[3] / "provisioning" / "project.yml"
+CLIENT_OUTCOME_WAIT_S = 10
+
+
+class PflsegBuilder(Builder):
+    """Adds pflseg's classes to every kit's class allow list and gives the server its own job storage.
+
+    Args:
+        storage_root: the server's folder for submitted jobs (``jobs-storage``) and snapshots
+            (``snapshot-storage``); one per deployment.
+    """
+
+    def __init__(self, storage_root: str = "/var/lib/pflseg/flare"):
+        self.storage_root = storage_root
+
+    def build(self, project, ctx):
+        server = project.get_server()
+        for participant in [server, *project.get_clients()]:
+            resources = Path(ctx.get_local_dir(participant)) / "resources.json.default"
+            add_to_resources(resources)
+            if participant is server:
+                _set_storage(resources, Path(self.storage_root))
+
+
+def _set_storage(resources_file: Path, root: Path) -> None:
+    res = json.loads(resources_file.read_text())
+    res["snapshot_persistor"]["args"]["storage"]["args"]["root_dir"] = str(root / "snapshot-storage")
+    for comp in res["components"]:
+        if comp["id"] == "job_manager":
+            comp["args"]["uri_root"] = str(root / "jobs-storage")
+    resources_file.write_text(json.dumps(res, indent=2))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def loopback_project(project: dict, workspace: Path, port: int) -> dict:
+    """``project`` (parsed project.yml) made to run on this machine: server ``localhost:port``, storage in ``workspace``."""
+    project = json.loads(json.dumps(project))
+    servers = [p for p in project["participants"] if p["type"] == "server"]
+    if len(servers) != 1:
+        raise ValueError(f"project {project.get('name')}: expected one server participant, found {len(servers)}")
+    servers[0].update(name="localhost", fed_learn_port=port)
+    servers[0].pop("admin_port", None)
+    for b in project["builders"]:
+        if b["path"].endswith("PflsegBuilder"):
+            b["args"] = {**(b.get("args") or {}), "storage_root": str(workspace / "storage")}
+    return project
+
+
+def provision_loopback(workspace: str | Path, project_yml: str | Path = REPO_PROJECT, port: int | None = None) -> Path:
+    """Provision ``project_yml`` for loopback into ``workspace``; return the folder of the startup kits."""
+    workspace = Path(workspace).resolve()
+    project = yaml.safe_load(Path(project_yml).read_text())
+    project = loopback_project(project, workspace, port or free_port())
+    workspace.mkdir(parents=True, exist_ok=True)
+    (workspace / "home").mkdir(exist_ok=True)
+    path = workspace / "project.yml"
+    path.write_text(yaml.safe_dump(project, sort_keys=False))
+    shutil.rmtree(workspace / "provision", ignore_errors=True)  # fresh kits (and a fresh CA) every time
+    cmd = ["nvflare", "provision", "-p", str(path), "-w", str(workspace / "provision")]
+    proc = subprocess.run(cmd, env=loopback_env(workspace), capture_output=True, text=True)
+    kits = workspace / "provision" / project["name"] / "prod_00"
+    if proc.returncode != 0 or not kits.is_dir():
+        raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): {proc.stdout[-1500:]}{proc.stderr[-1500:]}")
+    return kits
+
+
+def loopback_env(workspace: Path) -> dict:
+    """Environment of every process of a loopback deployment: its own HOME, this Python first on PATH."""
+    import sys
+
+    env = {**os.environ, "HOME": str(workspace / "home")}
+    # the server waits this long for a dead site's job outcome before closing a job (FLARE default: 900 s)
+    env.setdefault("NVFLARE_CLIENT_OUTCOME_WAIT_TIMEOUT", str(CLIENT_OUTCOME_WAIT_S))
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    for var in ("PFLSEG_DATA", "PFLSEG_STATE_DIR", "PFLSEG_SITE_CONFIG", "NVFL_WORKSPACE"):
+        env.pop(var, None)
+    return env

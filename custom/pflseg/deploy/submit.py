@@ -1,0 +1,107 @@
+"""Submit a job to a provisioned federation through the FLARE API, follow it, fetch its results.
+
+    results = submit("jobs/fedavg", kit="/path/to/admin@pflseg.org")   # the admin's startup kit folder
+
+Progress lines are the server's "round k/N done" log lines (fetched with the FLARE API); the downloaded
+job holds the server side, including pflseg's ``results.json`` (per-site validation and test Dice,
+sites left out and why).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+TERMINAL_OK = "FINISHED:COMPLETED"
+
+
+class SubmitError(RuntimeError):
+    """The job was refused or did not complete."""
+
+
+def submit(job_dir: str | Path, kit: str | Path, user: str | None = None, timeout: float = 3600.0,
+           out: str | Path | None = None, progress=print, poll: float = 2.0) -> dict:
+    """Submit ``job_dir`` as ``user`` (default: the kit folder's name), wait, download, return results.json.
+
+    Returns the results dict plus ``job_id``, ``status`` (FLARE's final job status) and ``download`` (the
+    downloaded folder). Raises SubmitError when the submission is refused (e.g. the user lacks the right)
+    or the job ends without pflseg's results.
+    """
+    from nvflare.fuel.flare_api.flare_api import new_secure_session
+
+    job_dir, kit = Path(job_dir).resolve(), Path(kit).resolve()
+    if not (job_dir / "meta.json").is_file():
+        raise SubmitError(f"{job_dir} is not a FLARE job folder (no meta.json); export one with `pflseg jobs export`")
+    if not (kit / "startup" / "fed_admin.json").is_file():
+        raise SubmitError(f"{kit} is not an admin startup kit (no startup/fed_admin.json)")
+    user = user or kit.name
+    sess = new_secure_session(user, str(kit), timeout=30.0)
+    try:
+        try:
+            job_id = sess.submit_job(str(job_dir))
+        except Exception as exc:
+            raise SubmitError(f"job {job_dir.name} refused for {user}: {exc}") from exc
+        progress(f"submitted {job_dir.name} as job {job_id} (user {user})")
+        seen = _Follow(job_id, progress)
+        _, meta = sess.monitor_job_and_return_job_meta(job_id, timeout=timeout, poll_interval=poll, cb=seen)
+        if meta is None:
+            raise SubmitError(f"job {job_id} did not finish within {timeout:.0f} s")
+        seen(sess, job_id, meta)
+        status = meta.get("status")
+        download = Path(sess.download_job_result(job_id, destination=str(out) if out else None))
+    finally:
+        sess.close()
+    found = sorted(download.rglob("results.json"))
+    if not found:
+        raise SubmitError(f"job {job_id} ended {status}; no results.json in {download}. "
+                          f"Server log: {download}/**/log.txt")
+    if status != TERMINAL_OK:  # e.g. FINISHED:ABNORMAL when a site died: pflseg finished with the others
+        progress(f"job {job_id} ended {status} (FLARE's view: a site's job process failed); pflseg results follow")
+    results = json.loads(found[0].read_text())
+    results.update(job_id=job_id, status=status, download=str(download))
+    return results
+
+
+class _Follow:
+    """monitor_job callback: prints status changes and new round lines from the server's job log."""
+
+    def __init__(self, job_id: str, progress):
+        self.job_id, self.progress, self.status, self.lines, self.t0 = job_id, progress, None, set(), time.time()
+
+    def __call__(self, sess, job_id, meta, *args, **kwargs) -> bool:
+        status = meta.get("status")
+        if status != self.status:
+            self.progress(f"[{time.time() - self.t0:6.1f} s] job {job_id}: {status}")
+            self.status = status
+        try:
+            logs = sess.get_job_logs(job_id, "server").get("logs", {})
+        except Exception:
+            logs = {}
+        for text in logs.values():
+            for line in str(text).splitlines():
+                if not any(key in line for key in ("done in", "left out", "pflseg: ")):
+                    continue
+                msg = line.split(" - ")[-1].strip()
+                if msg and msg not in self.lines:
+                    self.lines.add(msg)
+                    self.progress(f"[{time.time() - self.t0:6.1f} s] {msg[:200]}")
+        return True
+
+
+def metrics_table(results: dict) -> str:
+    """Per-site metrics of a finished job: final test Dice of the global and the site's own model, last
+    validation Dice, and the sites left out with the reason."""
+    last_val = results["history"][-1].get("val_dice", {}) if results.get("history") else {}
+    lines = [f"job {results.get('job_id', '')} {results['job']} ({results['method']}, {results['rounds']} rounds) "
+             f"{results.get('status', '')}",
+             "| site | test Dice (global) | test Dice (site's own) | last val Dice |", "|---|---|---|---|"]
+    for site in results["sites"]:
+        test = results["test"].get(site)
+        glob = f"{test['global']['dice']:.4f}" if test and "global" in test else "-"
+        own = f"{test['site']['dice']:.4f}" if test and "site" in test else "-"
+        val = f"{last_val[site]:.4f}" if site in last_val else "-"
+        lines.append(f"| {site} | {glob} | {own} | {val} |")
+    for site, why in sorted(results.get("missing", {}).items()):
+        lines.append(f"left out: {site}: {why}")
+    return "\n".join(lines)
