@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from monai.networks.nets import UNet
 from torch import nn
 
+from pflseg.nets.lcfed import build_lcfed
+
 UNET_DEFAULTS = {
     "in_channels": 1,
     "out_channels": 1,
@@ -44,8 +46,14 @@ def build_unet(cfg: Mapping) -> nn.Module:
 
 
 def build_net(cfg: Mapping) -> nn.Module:
-    """Factory over the project's networks; ``cfg["name"]`` selects (default ``unet``)."""
+    """Factory over the project's networks; ``cfg["name"]`` selects (default ``unet``).
+
+    ``unet``: :func:`build_unet`; ``lcfed``: :func:`pflseg.nets.lcfed.build_lcfed` (LC-Fed net with PCS
+    and HC; its forward takes ``(image, site_index)`` and returns a dict).
+    """
     name = cfg.get("name", "unet")
     if name == "unet":
         return build_unet(cfg)
-    raise ValueError(f"net.name: unknown network '{name}'; known: unet")
+    if name == "lcfed":
+        return build_lcfed(cfg)
+    raise ValueError(f"net.name: unknown network '{name}'; known: unet, lcfed")

@@ -1,0 +1,223 @@
+"""LC-Fed (Wang, Jin, Wang, ECCV 2022): personalized federated segmentation via local calibration.
+
+Site k of K trains a U-shaped net (``pflseg.nets.lcfed``) with two additions.
+
+PCS (personalized channel selection), after the last encoder stage, on a feature x (B, C, H, W):
+
+    e_k  = W_2 ReLU(Norm(W_1 onehot(k) + b_1)) + b_2          (widened site embedding, length E)
+    h    = sigmoid(W_3 [GAP(x); e_k] + b_3)                     (channel factor, length C)
+    x   <- x * h + x
+
+PCS is shared (aggregated); personalization comes from the site's own one-hot vector. Site contrast
+pushes site k's widened embedding away from the other sites' (computed with their one-hot vectors
+through the same widening, gradients stopped):
+
+    L_sc = - mean_{k' != k} || e_k - sg(e_k') ||_2
+
+HC (head calibration): the coarse head phi_k is personal. Site k applies all sites' heads phi_1..phi_K to
+its own decoder feature f (B, F, H, W); the disagreement map is the per-class standard deviation of
+their sigmoid predictions,
+
+    U = std_j sigmoid(phi_j(f))                                  (B, C, H, W)
+
+of which only local maxima are kept (NMS: k x k window, threshold 0.2 after max-normalisation per
+sample and class), enlarged with a Gaussian filter into a map m, and the feature is calibrated with a
+residual, f' = f * m + f; a second personal head psi_k predicts the calibrated map psi_k(f'). The map
+carries no gradient. The site loss is
+
+    L = Dice(phi_k(f), y) + Dice(psi_k(f'), y) + lambda * L_sc,      lambda = 0.1 (paper)
+
+and the server takes the plain average of the shared parameters (PCS included); heads stay local.
+
+Choices made here: distances are Euclidean; the standard deviation is the population one (a single
+head gives U = 0); NMS returns the max-normalised map at the kept maxima and 0 elsewhere; the Gaussian
+kernel is scaled to a centre value of 1 (an isolated maximum of height v becomes a blob of height v) and
+the enlarged map is clipped to [0, 1]; a per-class map is reduced to one channel by the maximum over
+classes before it multiplies the feature. L_sc is unbounded below (the widening can scale the
+embeddings), which is why its weight is small.
+
+See ../shared/reference/ALGORITHMS.md section 4.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from pflseg.algorithms.fedavg import weighted_average
+
+State = Mapping[str, torch.Tensor]
+
+
+def site_contrast_loss(emb_k: torch.Tensor, emb_others: torch.Tensor) -> torch.Tensor:
+    """L_sc = - mean Euclidean distance of site k's widened embedding to the other sites'.
+
+    Args:
+        emb_k: (E,) or (N, E) embedding(s) of site k (rows of a batch are the same site).
+        emb_others: (M, E) embeddings of the other sites; detached here (no gradient reaches them).
+
+    Returns:
+        Scalar; 0 (still attached to ``emb_k``) when there are no other sites.
+    """
+    if emb_k.dim() == 1:
+        emb_k = emb_k[None]
+    if emb_k.dim() != 2 or emb_others.dim() != 2 or emb_others.shape[1] != emb_k.shape[1]:
+        raise ValueError(
+            f"emb_k / emb_others: expected (N, E) and (M, E), got {tuple(emb_k.shape)} and {tuple(emb_others.shape)}"
+        )
+    if emb_others.shape[0] == 0:
+        return emb_k.sum() * 0.0
+    diff = emb_k[:, None, :] - emb_others.detach()[None, :, :]
+    dist = diff.pow(2).sum(dim=-1).clamp_min(1e-12).sqrt()
+    return -dist.mean()
+
+
+def disagreement_map(probs_list: Sequence[torch.Tensor]) -> torch.Tensor:
+    """U = per-class (population) standard deviation over heads of their sigmoid predictions.
+
+    Args:
+        probs_list: J >= 1 tensors (B, C, H, W) of probabilities, one per head.
+
+    Returns:
+        (B, C, H, W); zero where all heads agree.
+    """
+    if len(probs_list) == 0:
+        raise ValueError("probs_list: need at least one head's predictions")
+    shape = probs_list[0].shape
+    for j, p in enumerate(probs_list):
+        if p.dim() != 4 or p.shape != shape:
+            raise ValueError(f"probs_list[{j}]: expected shape {tuple(shape)} (B, C, H, W), got {tuple(p.shape)}")
+    return torch.stack(list(probs_list)).std(dim=0, correction=0)
+
+
+def nms(umap: torch.Tensor, window: int = 11, threshold: float = 0.2) -> torch.Tensor:
+    """Keep the local maxima of a map, after max-normalisation per sample and class.
+
+    Args:
+        umap: (B, C, H, W) non-negative map.
+        window: odd side of the square neighbourhood (11 paper, 31 reference code).
+        threshold: keep maxima whose normalised value is strictly above it.
+
+    Returns:
+        (B, C, H, W): ``umap / max`` (max over H, W) at the kept positions, 0 elsewhere; an all-zero
+        map stays zero. Plateaus (equal neighbouring maxima) are all kept.
+    """
+    if umap.dim() != 4:
+        raise ValueError(f"umap: expected (B, C, H, W), got shape {tuple(umap.shape)}")
+    if window < 1 or window % 2 == 0:
+        raise ValueError(f"window: expected a positive odd int, got {window}")
+    peak = umap.amax(dim=(2, 3), keepdim=True)
+    norm = torch.where(peak > 0, umap / peak.clamp_min(torch.finfo(umap.dtype).tiny), torch.zeros_like(umap))
+    local_max = F.max_pool2d(norm, kernel_size=window, stride=1, padding=window // 2)
+    keep = (norm == local_max) & (norm > threshold)
+    return norm * keep
+
+
+def gaussian_kernel(size: int = 11, sigma: float | None = None) -> torch.Tensor:
+    """(size, size) Gaussian with centre value 1; ``sigma`` defaults to OpenCV's rule
+    0.3 * ((size - 1) / 2 - 1) + 0.8 (2.0 for size 11)."""
+    if size < 1 or size % 2 == 0:
+        raise ValueError(f"size: expected a positive odd int, got {size}")
+    if sigma is None:
+        sigma = 0.3 * ((size - 1) / 2 - 1) + 0.8
+    if sigma <= 0:
+        raise ValueError(f"sigma: expected > 0, got {sigma}")
+    r = torch.arange(size, dtype=torch.float64) - size // 2
+    g = torch.exp(-(r**2) / (2 * sigma**2))
+    return torch.outer(g, g)
+
+
+def gaussian_enlarge(umap: torch.Tensor, size: int = 11, sigma: float | None = None) -> torch.Tensor:
+    """Spread each kept maximum into a Gaussian blob (per channel), clipped to [0, 1].
+
+    Args:
+        umap: (B, C, H, W), typically the output of :func:`nms`.
+        size: odd kernel side (11 paper).
+        sigma: Gaussian width (see :func:`gaussian_kernel`).
+
+    Returns:
+        (B, C, H, W).
+    """
+    if umap.dim() != 4:
+        raise ValueError(f"umap: expected (B, C, H, W), got shape {tuple(umap.shape)}")
+    c = umap.shape[1]
+    kernel = gaussian_kernel(size, sigma).to(umap.device, umap.dtype).expand(c, 1, size, size)
+    out = F.conv2d(umap, kernel, padding=size // 2, groups=c)
+    return out.clamp(0.0, 1.0)
+
+
+def calibrate(feature: torch.Tensor, umap: torch.Tensor) -> torch.Tensor:
+    """Residual calibration f' = f * m + f.
+
+    Args:
+        feature: (B, F, H, W) decoder feature.
+        umap: (B, 1, H, W) or (B, C, H, W) map; several classes are reduced by their maximum.
+
+    Returns:
+        (B, F, H, W); equals ``feature`` where the map is zero.
+    """
+    if feature.dim() != 4 or umap.dim() != 4:
+        raise ValueError(f"feature / umap: expected 4-D tensors, got {tuple(feature.shape)} and {tuple(umap.shape)}")
+    if umap.shape[0] != feature.shape[0] or umap.shape[2:] != feature.shape[2:]:
+        raise ValueError(f"umap: shape {tuple(umap.shape)} does not match feature {tuple(feature.shape)} in B, H, W")
+    m = umap.amax(dim=1, keepdim=True) if umap.shape[1] > 1 else umap
+    return feature * m + feature
+
+
+def uncertainty_map(probs_list: Sequence[torch.Tensor], window: int = 11, threshold: float = 0.2,
+                    size: int = 11, sigma: float | None = None) -> torch.Tensor:
+    """The full HC map: disagreement -> NMS -> Gaussian enlargement, without gradient. (B, C, H, W)."""
+    with torch.no_grad():
+        return gaussian_enlarge(nms(disagreement_map(probs_list), window, threshold), size, sigma)
+
+
+def lcfed_loss(
+    coarse_logits: torch.Tensor,
+    calib_logits: torch.Tensor | None,
+    label: torch.Tensor,
+    l_sc: torch.Tensor,
+    lam: float = 0.1,
+    dice: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """L = Dice(coarse) + Dice(calibrated) + lam * L_sc.
+
+    Args:
+        coarse_logits: (B, C, H, W) logits of the coarse head.
+        calib_logits: (B, C, H, W) logits of HC, or None when HC is off (the term is dropped).
+        label: (B, C, H, W) binary masks.
+        l_sc: scalar site-contrast loss (:func:`site_contrast_loss`).
+        lam: site-contrast weight (0.1 paper; 0 turns it off).
+        dice: loss on (logits, label); default MONAI DiceLoss(sigmoid=True, batch=True).
+
+    Returns:
+        Scalar.
+    """
+    if lam < 0:
+        raise ValueError(f"lam: expected >= 0, got {lam}")
+    if dice is None:
+        from monai.losses import DiceLoss
+
+        dice = DiceLoss(sigmoid=True, batch=True, smooth_nr=1e-5, smooth_dr=1e-5)
+    loss = dice(coarse_logits, label)
+    if calib_logits is not None:
+        loss = loss + dice(calib_logits, label)
+    return loss + lam * l_sc
+
+
+def average_shared(states: Sequence[State], keys: Sequence[str]) -> list[dict]:
+    """Plain average of the shared parameters; personal entries stay each site's own.
+
+    Args:
+        states: K site states with the same keys and shapes.
+        keys: shared keys (:func:`pflseg.nets.lcfed.shared_keys`), averaged with equal weights.
+
+    Returns:
+        K new dicts: the average at ``keys``, the site's own tensor at every other key. Inputs are not
+        modified.
+    """
+    if not states:
+        raise ValueError("states: need at least one site state")
+    avg = weighted_average(states, [1.0] * len(states), keys)
+    return [{k: (avg[k].clone() if k in avg else v) for k, v in s.items()} for s in states]
