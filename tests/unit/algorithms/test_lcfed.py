@@ -1,0 +1,144 @@
+import math
+
+import pytest
+import torch
+
+from pflseg.algorithms.lcfed import (
+    average_shared,
+    calibrate,
+    disagreement_map,
+    gaussian_enlarge,
+    gaussian_kernel,
+    lcfed_loss,
+    nms,
+    site_contrast_loss,
+    uncertainty_map,
+)
+from pflseg.nets.lcfed import PCS
+
+# --- site contrast ---------------------------------------------------------------------------------
+
+
+def test_site_contrast_is_minus_the_mean_distance():
+    emb_k = torch.tensor([0.0, 0.0])
+    others = torch.tensor([[3.0, 4.0], [1.0, 0.0]])
+    assert torch.allclose(site_contrast_loss(emb_k, others), torch.tensor(-3.0))
+    assert site_contrast_loss(emb_k, torch.zeros(0, 2)) == 0
+
+
+def _pcs_sc_gradient(lam, k=1, n_sites=3):
+    torch.manual_seed(0)
+    pcs = PCS(channels=4, n_sites=n_sites, embed_dim=5)
+    emb_k = pcs.embed(torch.tensor([k]))
+    others = pcs.embed(torch.tensor([j for j in range(n_sites) if j != k]))
+    l_sc = site_contrast_loss(emb_k, others)
+    logits = torch.zeros(1, 1, 4, 4, requires_grad=True)
+    loss = lcfed_loss(logits, None, torch.ones(1, 1, 4, 4), l_sc, lam=lam)
+    loss.backward()
+    return pcs.widen[0].weight.grad  # (E, K): column j is site j's one-hot input
+
+
+def test_zero_weight_gives_no_embedding_gradient_and_positive_weight_does():
+    assert _pcs_sc_gradient(0.0).abs().sum() == 0
+    assert _pcs_sc_gradient(0.1)[:, 1].abs().sum() > 0
+
+
+def test_no_gradient_flows_into_the_other_sites_embeddings():
+    grad = _pcs_sc_gradient(0.1, k=1)
+    assert grad[:, 0].abs().sum() == 0 and grad[:, 2].abs().sum() == 0
+    others = torch.randn(2, 5, requires_grad=True)
+    emb_k = torch.randn(1, 5, requires_grad=True)
+    site_contrast_loss(emb_k, others).backward()
+    assert others.grad is None and emb_k.grad is not None
+
+
+# --- disagreement, NMS, enlargement, calibration ---------------------------------------------------
+
+
+def test_disagreement_map_is_zero_when_all_heads_agree():
+    p = torch.rand(2, 2, 6, 6)
+    assert torch.equal(disagreement_map([p, p.clone(), p.clone()]), torch.zeros_like(p))
+    assert torch.equal(disagreement_map([p]), torch.zeros_like(p))
+
+
+def test_disagreement_map_is_the_population_std():
+    a, b = torch.zeros(1, 1, 1, 2), torch.tensor([[[[1.0, 0.5]]]])
+    assert torch.allclose(disagreement_map([a, b]), torch.tensor([[[[0.5, 0.25]]]]))
+
+
+def test_nms_keeps_only_local_maxima_above_the_threshold():
+    # prepare: peaks 4 at (1, 1), 2 at (1, 6), 0.4 at (6, 6) (normalised 1, 0.5, 0.1); a shoulder 3 at (1, 2)
+    m = torch.zeros(1, 1, 8, 8)
+    m[0, 0, 1, 1], m[0, 0, 1, 2], m[0, 0, 1, 6], m[0, 0, 6, 6] = 4.0, 3.0, 2.0, 0.4
+    # execute
+    out = nms(m, window=3, threshold=0.2)
+    # assert: the shoulder is suppressed (not a local max), the 0.1 peak is under the threshold
+    expected = torch.zeros_like(m)
+    expected[0, 0, 1, 1], expected[0, 0, 1, 6] = 1.0, 0.5
+    assert torch.equal(out, expected)
+    # with a window covering both peaks only the global one survives
+    wide = nms(m, window=11, threshold=0.2)
+    assert wide.nonzero().tolist() == [[0, 0, 1, 1]]
+
+
+def test_nms_normalises_per_sample_and_class_and_keeps_zero_maps():
+    m = torch.zeros(2, 2, 5, 5)
+    m[0, 0, 2, 2] = 0.3
+    m[1, 1, 0, 0] = 7.0
+    out = nms(m, window=3)
+    assert out[0, 0, 2, 2] == 1 and out[1, 1, 0, 0] == 1 and out.sum() == 2
+    with pytest.raises(ValueError, match="window"):
+        nms(m, window=4)
+
+
+def test_gaussian_enlarge_turns_a_point_into_a_centred_gaussian_blob():
+    m = torch.zeros(1, 1, 11, 11)
+    m[0, 0, 5, 5] = 1.0
+    out = gaussian_enlarge(m, size=5, sigma=1.0)
+    assert out[0, 0, 5, 5] == 1.0
+    assert torch.isclose(out[0, 0, 5, 6], torch.tensor(math.exp(-0.5)))
+    assert out[0, 0, 5, 8] == 0  # outside the 5 x 5 window
+    k = gaussian_kernel(11)  # default sigma = 2 (OpenCV's rule for size 11)
+    assert k.shape == (11, 11) and k[5, 5] == 1 and torch.isclose(k[5, 6], torch.tensor(math.exp(-1 / 8)).double())
+
+
+def test_calibrated_head_input_equals_the_feature_when_the_map_is_zero():
+    f = torch.randn(2, 3, 4, 4)
+    assert torch.equal(calibrate(f, torch.zeros(2, 1, 4, 4)), f)
+    assert torch.equal(calibrate(f, torch.zeros(2, 2, 4, 4)), f)
+    m = torch.zeros(2, 2, 4, 4)
+    m[:, 1, 0, 0] = 0.5
+    out = calibrate(f, m)
+    assert torch.allclose(out[:, :, 0, 0], 1.5 * f[:, :, 0, 0]) and torch.equal(out[:, :, 1:], f[:, :, 1:])
+
+
+def test_uncertainty_map_of_agreeing_heads_is_zero_and_carries_no_gradient():
+    p = torch.rand(1, 1, 8, 8, requires_grad=True)
+    u = uncertainty_map([p, p])
+    assert torch.equal(u, torch.zeros(1, 1, 8, 8)) and not u.requires_grad
+
+
+# --- loss and aggregation --------------------------------------------------------------------------
+
+
+def test_lcfed_loss_adds_the_terms():
+    def dice(logits, label):
+        return logits.mean()
+
+    coarse, calib, label = torch.full((1, 1, 2, 2), 2.0), torch.full((1, 1, 2, 2), 3.0), torch.ones(1, 1, 2, 2)
+    assert torch.isclose(lcfed_loss(coarse, calib, label, torch.tensor(-4.0), lam=0.5, dice=dice), torch.tensor(3.0))
+    assert torch.isclose(lcfed_loss(coarse, None, label, torch.tensor(-4.0), lam=0.5, dice=dice), torch.tensor(0.0))
+    with pytest.raises(ValueError, match="lam"):
+        lcfed_loss(coarse, None, label, torch.tensor(0.0), lam=-1.0, dice=dice)
+
+
+def test_average_shared_of_two_states_is_the_hand_average_and_leaves_personal_keys():
+    s1 = {"body.w": torch.tensor([1.0, 2.0]), "pcs.w": torch.tensor([0.0]), "head.w": torch.tensor([5.0])}
+    s2 = {"body.w": torch.tensor([3.0, 6.0]), "pcs.w": torch.tensor([1.0]), "head.w": torch.tensor([9.0])}
+    new = average_shared([s1, s2], ["body.w", "pcs.w"])
+    for n in new:
+        assert torch.equal(n["body.w"], torch.tensor([2.0, 4.0])) and torch.equal(n["pcs.w"], torch.tensor([0.5]))
+    assert torch.equal(new[0]["head.w"], torch.tensor([5.0])) and torch.equal(new[1]["head.w"], torch.tensor([9.0]))
+    assert torch.equal(s1["body.w"], torch.tensor([1.0, 2.0]))  # inputs untouched
+    with pytest.raises(KeyError):
+        average_shared([s1, {"pcs.w": torch.tensor([1.0])}], ["body.w"])
