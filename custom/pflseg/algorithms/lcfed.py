@@ -221,3 +221,76 @@ def average_shared(states: Sequence[State], keys: Sequence[str]) -> list[dict]:
         raise ValueError("states: need at least one site state")
     avg = weighted_average(states, [1.0] * len(states), keys)
     return [{k: (avg[k].clone() if k in avg else v) for k, v in s.items()} for s in states]
+
+
+STEP_DEFAULTS = {
+    "lam": 0.1,  # site-contrast weight (paper 0.1; reference code 0)
+    "hc": True,  # head calibration on/off
+    "nms_window": 11,
+    "nms_threshold": 0.2,
+    "gauss_size": 11,
+    "gauss_sigma": None,
+}
+
+
+def lcfed_step(
+    model: torch.nn.Module,
+    batch,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    other_heads: Sequence[State],
+    site_index: int,
+    n_sites: int,
+    cfg: Mapping | None = None,
+) -> dict[str, float]:
+    """One optimizer step of site ``site_index``: Dice(coarse) + Dice(calibrated) + lam * L_sc.
+
+    Args:
+        model: an LC-Fed net (``pflseg.nets.lcfed.LCFedNet``: forward(image, site) -> dict, ``head``,
+            ``pcs.embed``, ``calibrated_logits``).
+        batch: ``(image, label)`` or ``{"image": ..., "label": ...}``; image (B, in, H, W), label (B, C, H, W).
+        optimizer: over the parameters to train.
+        loss_fn: Dice on (logits, label).
+        other_heads: the other sites' coarse heads as 1x1 conv states ``{"weight": (C, F, 1, 1),
+            "bias": (C,)}``, applied to this site's own feature; with the site's own head they give the
+            disagreement map (computed without gradient). Ignored when ``cfg["hc"]`` is False.
+        site_index: k in [0, n_sites).
+        n_sites: K; the other sites' embeddings (for L_sc) use the one-hot vectors of [0, K) minus k.
+        cfg: keys of STEP_DEFAULTS.
+
+    Returns:
+        ``{"loss": total, "sc": L_sc}`` (values before the step).
+    """
+    cfg = dict(cfg or {})
+    unknown = set(cfg) - set(STEP_DEFAULTS)
+    if unknown:
+        raise ValueError(f"cfg: unknown key(s) {sorted(unknown)}; known: {sorted(STEP_DEFAULTS)}")
+    cfg = {**STEP_DEFAULTS, **cfg}
+    if not 0 <= site_index < n_sites:
+        raise ValueError(f"site_index: expected a value in [0, {n_sites}), got {site_index}")
+    image, label = (batch["image"], batch["label"]) if isinstance(batch, Mapping) else batch
+
+    model.train()
+    optimizer.zero_grad()
+    out = model(image, site_index)
+    others = torch.tensor([j for j in range(n_sites) if j != site_index], dtype=torch.long, device=image.device)
+    l_sc = site_contrast_loss(out["embedding"], model.pcs.embed(others).detach())
+
+    calib = None
+    if cfg["hc"]:
+        with torch.no_grad():
+            feature = out["feature"].detach()
+            probs = [torch.sigmoid(model.head(feature))]
+            for j, h in enumerate(other_heads):
+                if "weight" not in h:
+                    raise KeyError(f"other_heads[{j}]: needs 'weight' (and optionally 'bias') of a 1x1 conv")
+                w = h["weight"].to(feature.device, feature.dtype)
+                b = h["bias"].to(feature.device, feature.dtype) if "bias" in h else None
+                probs.append(torch.sigmoid(F.conv2d(feature, w, b)))
+            umap = uncertainty_map(probs, cfg["nms_window"], cfg["nms_threshold"], cfg["gauss_size"], cfg["gauss_sigma"])
+        calib = model.calibrated_logits(out["feature"], umap)
+
+    loss = lcfed_loss(out["coarse"], calib, label, l_sc, lam=cfg["lam"], dice=loss_fn)
+    loss.backward()
+    optimizer.step()
+    return {"loss": float(loss.detach()), "sc": float(l_sc.detach())}

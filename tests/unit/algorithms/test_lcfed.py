@@ -1,7 +1,9 @@
+import copy
 import math
 
 import pytest
 import torch
+from monai.losses import DiceLoss
 
 from pflseg.algorithms.lcfed import (
     average_shared,
@@ -10,10 +12,12 @@ from pflseg.algorithms.lcfed import (
     gaussian_enlarge,
     gaussian_kernel,
     lcfed_loss,
+    lcfed_step,
     nms,
     site_contrast_loss,
     uncertainty_map,
 )
+from pflseg.nets import build_net
 from pflseg.nets.lcfed import PCS
 
 # --- site contrast ---------------------------------------------------------------------------------
@@ -142,3 +146,54 @@ def test_average_shared_of_two_states_is_the_hand_average_and_leaves_personal_ke
     assert torch.equal(s1["body.w"], torch.tensor([1.0, 2.0]))  # inputs untouched
     with pytest.raises(KeyError):
         average_shared([s1, {"pcs.w": torch.tensor([1.0])}], ["body.w"])
+
+
+# --- one site step ---------------------------------------------------------------------------------
+
+
+def _step_setup(seed=0):
+    torch.manual_seed(seed)
+    net = build_net({"name": "lcfed", "n_sites": 3, "channels": [4, 8, 8, 8, 8], "embed_dim": 6})
+    image = torch.randn(2, 1, 32, 32)
+    label = torch.zeros(2, 1, 32, 32)
+    label[:, :, 8:20, 10:24] = 1.0
+    image = image + 2.0 * label
+    heads = [{"weight": torch.randn(1, 4, 1, 1), "bias": torch.randn(1)} for _ in range(2)]
+    return net, (image, label), DiceLoss(sigmoid=True, batch=True), heads
+
+
+def test_lcfed_step_lowers_the_loss_on_a_tiny_batch():
+    net, batch, dice, heads = _step_setup()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    losses = [lcfed_step(net, batch, opt, dice, heads, 1, 3, {"nms_window": 5})["loss"] for _ in range(6)]
+    assert losses[-1] < losses[0]
+    assert net.calib_head.weight.grad.abs().sum() > 0
+
+
+def test_lcfed_step_without_hc_is_coarse_dice_plus_weighted_site_contrast():
+    net, (image, label), dice, heads = _step_setup()
+    ref = copy.deepcopy(net).train()
+    with torch.no_grad():
+        out = ref(image, 0)
+        sc = site_contrast_loss(out["embedding"], ref.pcs.embed(torch.tensor([1, 2])))
+        expected = dice(out["coarse"], label) + 0.5 * sc
+
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    got = lcfed_step(net, (image, label), opt, dice, heads, 0, 3, {"hc": False, "lam": 0.5})
+    assert math.isclose(got["loss"], float(expected), rel_tol=1e-5) and math.isclose(got["sc"], float(sc), rel_tol=1e-5)
+    assert net.calib_head.weight.grad is None
+
+
+def test_lcfed_step_with_only_its_own_head_calibrates_nothing():
+    net, (image, label), dice, _ = _step_setup()
+    ref = copy.deepcopy(net).train()
+    with torch.no_grad():
+        out = ref(image, 2)
+        sc = site_contrast_loss(out["embedding"], ref.pcs.embed(torch.tensor([0, 1])))
+        expected = dice(out["coarse"], label) + dice(ref.calib_head(out["feature"]), label) + 0.1 * sc
+
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    got = lcfed_step(net, {"image": image, "label": label}, opt, dice, [], 2, 3)
+    assert math.isclose(got["loss"], float(expected), rel_tol=1e-5)
+    with pytest.raises(ValueError, match="cfg"):
+        lcfed_step(net, (image, label), opt, dice, [], 2, 3, {"lambda": 0.1})
