@@ -13,7 +13,8 @@ from pathlib import Path
 
 import yaml
 
-METHODS = ("fedavg", "fedprox", "fedbn", "local", "centralized", "fedsm", "fedsm_infer", "grace", "iopfl", "iopfl_route")
+METHODS = ("fedavg", "fedprox", "fedbn", "local", "centralized", "fedsm", "fedsm_infer", "grace", "iopfl", "iopfl_route",
+           "lcfed", "fedrep", "ft")
 #: methods whose model for a site is the server's global model (the others give each site its own)
 GLOBAL_METHODS = ("fedavg", "fedprox", "centralized")
 
@@ -110,6 +111,17 @@ def validate(cfg: Mapping, source: str = "config") -> None:
             raise ConfigError(f"{source}: iopfl.{key} must be one of {', '.join(allowed)}, got {iopfl[key]!r}")
     if not 0.0 <= iopfl["tau"] <= 1.0 or iopfl["epochs"] < 1 or iopfl["shape_radius"] < 1 or iopfl["batch_size"] < 1:
         raise ConfigError(f"{source}: iopfl.tau must lie in [0, 1] and iopfl.epochs, shape_radius, batch_size be >= 1")
+    lcfed = cfg["lcfed"]
+    if cfg["method"] in ("lcfed", "fedrep") and cfg["net"]["name"] != "lcfed":
+        raise ConfigError(f"{source}: method {cfg['method']} needs net.name: lcfed (personal heads), got {cfg['net']['name']!r}")
+    if cfg["method"] == "fedrep" and lcfed["head_first_iters"] < 1:
+        raise ConfigError(f"{source}: fedrep trains the head first: set lcfed.head_first_iters >= 1")
+    if lcfed["lam"] < 0 or lcfed["head_first_iters"] < 0 or not 0.0 <= lcfed["nms_threshold"] < 1.0:
+        raise ConfigError(f"{source}: lcfed.lam and lcfed.head_first_iters must be >= 0, lcfed.nms_threshold in [0, 1)")
+    if any(lcfed[k] < 1 or lcfed[k] % 2 == 0 for k in ("nms_window", "gauss_size")) or lcfed["gauss_sigma"] < 0:
+        raise ConfigError(f"{source}: lcfed.nms_window and lcfed.gauss_size must be odd >= 1, lcfed.gauss_sigma >= 0")
+    if cfg["ft"]["epochs"] < 0:
+        raise ConfigError(f"{source}: ft.epochs must be >= 0, got {cfg['ft']['epochs']}")
     if cfg["fedprox"]["mu"] < 0:
         raise ConfigError(f"{source}: fedprox.mu must be >= 0, got {cfg['fedprox']['mu']}")
 

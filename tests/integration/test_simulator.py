@@ -58,12 +58,14 @@ def assert_same_states(a: dict, b: dict):
 
 
 # fedsm and fedsm_extra run in the inference test, fedsm_fundus inside fedsm_extra_fundus
-COVERED_ELSEWHERE = ("fedsm", "fedsm_extra", "fedsm_fundus", "fedsm_infer", "iopfl", "iopfl_route")  # iopfl*: test_iopfl.py
+# (lcfed runs in the threads/resume test, lcfed_fundus covers its two-class case)
+COVERED_ELSEWHERE = ("fedsm", "fedsm_extra", "fedsm_fundus", "fedsm_infer", "iopfl", "iopfl_route", "lcfed")  # iopfl*: test_iopfl.py
 
 
 def test_every_job_is_run_by_a_test():
     assert set(job_names()) - set(COVERED_ELSEWHERE) == {"local", "fedavg", "fedprox", "fedbn", "centralized",
-                                                          "fedsm_extra_fundus", "grace", "grace_server", "grace_client"}
+                                                          "fedsm_extra_fundus", "grace", "grace_server", "grace_client",
+                                                          "lcfed_fundus", "lcfed_nohc", "fedrep", "ft"}
 
 
 @pytest.mark.parametrize("name", [n for n in job_names() if n not in COVERED_ELSEWHERE])
@@ -74,8 +76,16 @@ def test_job_completes_with_per_site_test_dice(name, tmp_path, data):
     for site in res["sites"]:
         test = res["test"][site]
         assert 0.0 <= test["site"]["dice"] <= 1.0 and test["site"]["n_cases"] >= 1
-        if name in ("fedavg", "fedprox", "centralized") or name.startswith(("fedsm", "grace")):
+        if name in ("fedavg", "fedprox", "centralized", "ft") or name.startswith(("fedsm", "grace")):
             assert 0.0 <= test["global"]["dice"] <= 1.0
+        if name.startswith(("lcfed", "fedrep", "ft")):  # the LC-Fed table's metrics
+            assert 0.0 <= test["site"]["iou"] <= test["site"]["dice"] and test["site"]["assd_undefined"] >= 0
+            assert ("site_coarse" in test) == (name == "lcfed_fundus")  # HC on: the coarse head is scored too
+        if name == "lcfed_fundus":
+            hb = res["history"][1]["head_bytes"]  # each site sends its head, and gets the other K - 1
+            assert hb["down"] == (len(res["sites"]) - 1) * hb["up"] > 0
+        if name == "ft":
+            assert sorted(res["ft"]) == res["sites"]
         if "fundus" in name:
             assert len(test["site"]["dice_per_class"]) == 2  # disc and cup
     run_dir = tmp_path / "sim" / "server" / "simulate_job"
@@ -89,11 +99,12 @@ def test_job_completes_with_per_site_test_dice(name, tmp_path, data):
         assert tb == {"site-1", "site-2"}
 
 
-@pytest.mark.parametrize("name", ["fedbn", "fedsm", "grace"])
+@pytest.mark.parametrize("name", ["fedbn", "fedsm", "grace", "lcfed"])
 def test_threads_and_resume_do_not_change_the_models(name, tmp_path, data):
     """An uninterrupted run with -t 3 against one with -t 1 stopped after round 1 and resumed: equal final
     models (server checkpoint and every site's state) prove thread-count invariance and exact resume at once.
-    GRACE runs with adversarial alignment, whose discriminator is site state carried across the resume."""
+    GRACE runs with adversarial alignment, whose discriminator is site state carried across the resume;
+    LC-Fed's heads (site state) and the server's copies of the coarse heads are carried the same way."""
     over = {"grace": {"align": "adv"}} if name == "grace" else {}
     straight = run(name, tmp_path / "straight", data, sites=3, threads=3, rounds=3, **over)
     run(name, tmp_path / "resumed", data, sites=3, threads=1, rounds=1, **over)
@@ -108,6 +119,8 @@ def test_threads_and_resume_do_not_change_the_models(name, tmp_path, data):
         assert_same_states(a.load(2), b.load(2))
         if name == "grace":
             assert any(k.startswith("disc.") for k in a.load(2))
+    if name == "lcfed":
+        assert sorted({k.split(".")[1] for k in server_state(tmp_path / "resumed", name) if k.startswith("heads.")}) == straight["sites"]
 
 
 def test_embedded_synthetic_default_when_no_data_configured(tmp_path):

@@ -233,6 +233,56 @@ STEP_DEFAULTS = {
 }
 
 
+def _step_cfg(cfg: Mapping | None) -> dict:
+    cfg = dict(cfg or {})
+    unknown = set(cfg) - set(STEP_DEFAULTS)
+    if unknown:
+        raise ValueError(f"cfg: unknown key(s) {sorted(unknown)}; known: {sorted(STEP_DEFAULTS)}")
+    return {**STEP_DEFAULTS, **cfg}
+
+
+def head_map(model: torch.nn.Module, feature: torch.Tensor, other_heads: Sequence[State], cfg: Mapping) -> torch.Tensor:
+    """HC's map for site features (B, F, H, W): the site's own coarse head and the other sites' heads
+    (1x1 conv states ``{"weight": (C, F, 1, 1), "bias": (C,)}``) applied to them, then disagreement ->
+    NMS -> Gaussian enlargement (``cfg``: keys of STEP_DEFAULTS). No gradient. (B, C, H, W)."""
+    with torch.no_grad():
+        feature = feature.detach()
+        probs = [torch.sigmoid(model.head(feature))]
+        for j, h in enumerate(other_heads):
+            if "weight" not in h:
+                raise KeyError(f"other_heads[{j}]: needs 'weight' (and optionally 'bias') of a 1x1 conv")
+            w = h["weight"].to(feature.device, feature.dtype)
+            b = h["bias"].to(feature.device, feature.dtype) if "bias" in h else None
+            probs.append(torch.sigmoid(F.conv2d(feature, w, b)))
+        return uncertainty_map(probs, cfg["nms_window"], cfg["nms_threshold"], cfg["gauss_size"], cfg["gauss_sigma"])
+
+
+def set_phase(model: torch.nn.Module, phase: str) -> None:
+    """Which parameters the next steps train: ``head`` (the personal modules, ``model.PERSONAL_MODULES``),
+    ``body`` (everything else) or ``all``; the others get ``requires_grad`` False (no gradient, so the
+    optimizer leaves them unchanged). The reference code's / FedRep's schedule is head, then body."""
+    if phase not in ("head", "body", "all"):
+        raise ValueError(f"phase: expected head, body or all, got {phase!r}")
+    personal = tuple(f"{m}." for m in model.PERSONAL_MODULES)
+    for name, p in model.named_parameters():
+        p.requires_grad_(phase == "all" or name.startswith(personal) == (phase == "head"))
+
+
+class SitePredictor(torch.nn.Module):
+    """Site k's segmentation model as ``forward(image) -> logits``: the calibrated head's logits when HC is
+    on (map from its own and ``other_heads``), the coarse head's otherwise. Wraps (does not copy) ``model``."""
+
+    def __init__(self, model: torch.nn.Module, site_index: int, other_heads: Sequence[State], cfg: Mapping | None = None):
+        super().__init__()
+        self.model, self.site_index, self.other_heads, self.cfg = model, site_index, list(other_heads), _step_cfg(cfg)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        out = self.model.parts(image, self.site_index)
+        if not self.cfg["hc"]:
+            return out["coarse"]
+        return self.model.calibrated_logits(out["feature"], head_map(self.model, out["feature"], self.other_heads, self.cfg))
+
+
 def lcfed_step(
     model: torch.nn.Module,
     batch,
@@ -246,10 +296,10 @@ def lcfed_step(
     """One optimizer step of site ``site_index``: Dice(coarse) + Dice(calibrated) + lam * L_sc.
 
     Args:
-        model: an LC-Fed net (``pflseg.nets.lcfed.LCFedNet``: forward(image, site) -> dict, ``head``,
-            ``pcs.embed``, ``calibrated_logits``).
+        model: an LC-Fed net (``pflseg.nets.lcfed.LCFedNet``: ``parts(image, site) -> dict``, ``head``,
+            ``pcs`` (may be None: no L_sc), ``calibrated_logits``).
         batch: ``(image, label)`` or ``{"image": ..., "label": ...}``; image (B, in, H, W), label (B, C, H, W).
-        optimizer: over the parameters to train.
+        optimizer: over the parameters to train (parameters with ``requires_grad`` False are not updated).
         loss_fn: Dice on (logits, label).
         other_heads: the other sites' coarse heads as 1x1 conv states ``{"weight": (C, F, 1, 1),
             "bias": (C,)}``, applied to this site's own feature; with the site's own head they give the
@@ -261,36 +311,25 @@ def lcfed_step(
     Returns:
         ``{"loss": total, "sc": L_sc}`` (values before the step).
     """
-    cfg = dict(cfg or {})
-    unknown = set(cfg) - set(STEP_DEFAULTS)
-    if unknown:
-        raise ValueError(f"cfg: unknown key(s) {sorted(unknown)}; known: {sorted(STEP_DEFAULTS)}")
-    cfg = {**STEP_DEFAULTS, **cfg}
+    cfg = _step_cfg(cfg)
     if not 0 <= site_index < n_sites:
         raise ValueError(f"site_index: expected a value in [0, {n_sites}), got {site_index}")
     image, label = (batch["image"], batch["label"]) if isinstance(batch, Mapping) else batch
 
     model.train()
     optimizer.zero_grad()
-    out = model(image, site_index)
-    others = torch.tensor([j for j in range(n_sites) if j != site_index], dtype=torch.long, device=image.device)
-    l_sc = site_contrast_loss(out["embedding"], model.pcs.embed(others).detach())
-
+    out = model.parts(image, site_index)
+    if model.pcs is not None:
+        others = torch.tensor([j for j in range(n_sites) if j != site_index], dtype=torch.long, device=image.device)
+        l_sc = site_contrast_loss(out["embedding"], model.pcs.embed(others).detach())
+    else:
+        l_sc = torch.zeros((), device=image.device)
     calib = None
     if cfg["hc"]:
-        with torch.no_grad():
-            feature = out["feature"].detach()
-            probs = [torch.sigmoid(model.head(feature))]
-            for j, h in enumerate(other_heads):
-                if "weight" not in h:
-                    raise KeyError(f"other_heads[{j}]: needs 'weight' (and optionally 'bias') of a 1x1 conv")
-                w = h["weight"].to(feature.device, feature.dtype)
-                b = h["bias"].to(feature.device, feature.dtype) if "bias" in h else None
-                probs.append(torch.sigmoid(F.conv2d(feature, w, b)))
-            umap = uncertainty_map(probs, cfg["nms_window"], cfg["nms_threshold"], cfg["gauss_size"], cfg["gauss_sigma"])
-        calib = model.calibrated_logits(out["feature"], umap)
-
+        calib = model.calibrated_logits(out["feature"], head_map(model, out["feature"], other_heads, cfg))
     loss = lcfed_loss(out["coarse"], calib, label, l_sc, lam=cfg["lam"], dice=loss_fn)
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"LC-Fed loss became {loss.item()}; lower train.lr")
     loss.backward()
     optimizer.step()
     return {"loss": float(loss.detach()), "sc": float(l_sc.detach())}

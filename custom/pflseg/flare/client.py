@@ -63,6 +63,8 @@ class Site:
         self.store = RoundStore(state_dir(name, cfg["name"], self.settings["state_dir"]))
         self.best_path = self.store.root / "best.pt"
         self.net = build_net(cfg["net"])
+        if hasattr(self.net, "site"):  # LC-Fed's net: PCS uses this site's embedding
+            self.net.site = sorted(sites).index(name)
         self.norm = norm_keys(self.net)
         self._data: dict = {}
         self.pool_sites = sites if pool else None
@@ -119,10 +121,11 @@ class Site:
     def tasks(self) -> dict:
         """Task name -> handler; a method's Site subclass adds its own."""
         return {"train": self.train, "validate": self.validate, "test": self.test, "submit_model": self.submit_model,
-                "train_selector": self.train_selector, "infer": self.infer}
+                "train_selector": self.train_selector, "infer": self.infer, "finetune": self.finetune}
 
     def _fit(self, model, name: str, prev: dict, seed: int, hooks: Hooks | None = None,
-             lr: float | None = None, loss=None, batch_size: int | None = None, extra: list | None = None) -> tuple[dict, dict]:
+             lr: float | None = None, loss=None, batch_size: int | None = None, extra: list | None = None,
+             epochs: int | None = None) -> tuple[dict, dict]:
         """Train ``model`` with the one loop; Adam state ``optim.<name>`` carried over from ``prev``; ``extra``
         parameters (e.g. GRACE's domain discriminator) are a second group of the same optimizer.
         Returns (loop stats, optimizer state_dict)."""
@@ -132,7 +135,7 @@ class Site:
         if cfg["keep_optimizer_state"] and f"optim.{name}" in prev:
             optimizer.load_state_dict(prev[f"optim.{name}"])
         loader = make_loader(self.data("training"), batch_size or cfg["batch_size"], shuffle=True, seed=seed)
-        stats = train_epochs(model, loader, optimizer, loss or build_loss(cfg["loss"]), cfg["epochs"], self.device, hooks)
+        stats = train_epochs(model, loader, optimizer, loss or build_loss(cfg["loss"]), epochs or cfg["epochs"], self.device, hooks)
         return stats, optimizer.state_dict()
 
     def train(self, msg: FLModel) -> FLModel:
@@ -302,6 +305,26 @@ class Site:
         result["inside"] = self.name in inside
         return FLModel(params={}, metrics={"infer": result}, meta={"site": self.name})
 
+    def finetune(self, msg: FLModel) -> FLModel:
+        """FT: fine-tune the received final global model on the site's training split for ``ft.epochs``
+        epochs; the site's model (``best.pt``) becomes the best by validation Dice of the global model
+        (epoch 0) and every fine-tuned epoch."""
+        r = msg.current_round
+        model = self.current_model(msg.params, r)
+        self.best_path.unlink(missing_ok=True)
+        scores = [self._validate_and_track(model, r)["dice"]]
+        prev = {}
+        t0 = time.time()
+        for epoch in range(self.cfg["ft"]["epochs"]):
+            seed = derive_seed(self.cfg["seed"], self.name, "ft", epoch)
+            seed_everything(seed)
+            _, optim = self._fit(model, "ft", prev, seed, epochs=1)
+            prev = {"optim.ft": optim}
+            scores.append(self._validate_and_track(model, r)["dice"])
+        best = max(range(len(scores)), key=lambda e: (scores[e], -e))
+        return FLModel(params={}, metrics={"ft_val_dice": scores, "ft_best_epoch": best, "train_seconds": time.time() - t0},
+                       meta={"site": self.name})
+
     def validate(self, msg: FLModel) -> FLModel:
         model = self.current_model(msg.params, msg.current_round)
         if self.method == "fedsm":  # global scored for the server's choice, personalized tracked as the site's own
@@ -319,10 +342,10 @@ class Site:
         metrics = {}
         if unprefixed("global", msg.params or {}):
             self.net.load_state_dict({**self.net.state_dict(), **unprefixed("global", msg.params)})
-            metrics["global"] = evaluate(self.net, data, self.device, bs)
+            metrics["global"] = evaluate(self.net, data, self.device, bs, surface=True)
         best = load_file(self.best_path)
         self.net.load_state_dict(unprefixed("model", best))
-        metrics["site"] = evaluate(self.net, data, self.device, bs)
+        metrics["site"] = evaluate(self.net, data, self.device, bs, surface=True)
         metrics["site"]["selected_round"] = best["round"]
         return FLModel(params={}, metrics={"test": metrics}, meta={"site": self.name})
 
@@ -334,6 +357,7 @@ class Site:
 #: methods whose site side lives in its own module ("module:Class", a subclass of Site), imported on use
 SITE_CLASSES: dict[str, str] = {}
 SITE_CLASSES.update(dict.fromkeys(("iopfl", "iopfl_route"), "pflseg.flare.iopfl_site:IOPFLSite"))
+SITE_CLASSES.update(dict.fromkeys(("lcfed", "fedrep"), "pflseg.flare.lcfed_site:LCFedSite"))
 
 
 def site_class(method: str) -> type[Site]:

@@ -30,8 +30,9 @@ LCFED_DEFAULTS = {
     "num_res_units": 1,
     "norm": "batch",
     "dropout": 0.0,
-    "n_sites": None,  # required
+    "n_sites": 0,  # required (> 0): the number of sites of the federation (the server fills it in)
     "embed_dim": 32,
+    "pcs": True,  # False: no PCS module (the plain U-shaped net, e.g. for FedRep / FT / FedAvg on this backbone)
 }
 
 
@@ -98,6 +99,7 @@ class LCFedNet(nn.Module):
             must be divisible by their product.
         n_sites: K, number of sites of the federation.
         embed_dim: length of PCS's widened site embedding.
+        pcs: build PCS (False: ``self.pcs`` is None and no embedding is produced).
         num_res_units: subunits per ``ResidualUnit``.
         norm, dropout: passed to the MONAI blocks.
     """
@@ -115,6 +117,7 @@ class LCFedNet(nn.Module):
         num_res_units: int = 1,
         norm: str = "batch",
         dropout: float = 0.0,
+        pcs: bool = True,
     ):
         super().__init__()
         channels, strides = list(channels), list(strides)
@@ -128,7 +131,7 @@ class LCFedNet(nn.Module):
         for i, c in enumerate(channels):
             self.encoder.append(ResidualUnit(in_channels=c_in, out_channels=c, strides=1 if i == 0 else strides[i - 1], **block))
             c_in = c
-        self.pcs = PCS(channels[-1], n_sites, embed_dim)
+        self.pcs = PCS(channels[-1], n_sites, embed_dim) if pcs else None
         self.up = nn.ModuleList()
         self.decoder = nn.ModuleList()
         for i in range(len(channels) - 2, -1, -1):
@@ -141,22 +144,30 @@ class LCFedNet(nn.Module):
         self.calib_head = nn.Conv2d(channels[0], out_channels, kernel_size=1)
         self.n_sites = n_sites
         self.feature_channels = channels[0]
+        self.site = 0  # the site index plain ``forward`` uses (a site sets its own); not part of the state
 
-    def forward(self, image: torch.Tensor, site_index: int | torch.Tensor) -> dict[str, torch.Tensor]:
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        """Coarse logits (B, C, H, W) for site ``self.site``: the net as a plain segmentation model (the
+        project's training loop and evaluation call this)."""
+        return self.parts(image, self.site)["coarse"]
+
+    def parts(self, image: torch.Tensor, site_index: int | torch.Tensor | None = None) -> dict:
         """Args:
             image: (B, in_channels, H, W).
-            site_index: the site's index (int) or one per sample ((B,) long).
+            site_index: the site's index (int) or one per sample ((B,) long); None = ``self.site``.
 
         Returns:
             ``{"feature": (B, F, H, W) decoder feature before the heads, "coarse": (B, C, H, W) coarse
-            logits, "embedding": (B, E) PCS's widened site embedding}``.
+            logits, "embedding": (B, E) PCS's widened site embedding, or None without PCS}``.
         """
         skips = []
         x = image
         for stage in self.encoder:
             x = stage(x)
             skips.append(x)
-        x, emb = self.pcs(x, site_index)
+        emb = None
+        if self.pcs is not None:
+            x, emb = self.pcs(x, self.site if site_index is None else site_index)
         for up, dec, skip in zip(self.up, self.decoder, reversed(skips[:-1])):
             x = dec(torch.cat([up(x), skip], dim=1))
         return {"feature": x, "coarse": self.head(x), "embedding": emb}
@@ -189,6 +200,7 @@ def build_lcfed(cfg: Mapping) -> LCFedNet:
     if unknown:
         raise ValueError(f"net: unknown key(s) {sorted(unknown)}; known: {sorted(LCFED_DEFAULTS)}")
     args = {**LCFED_DEFAULTS, **{k: v for k, v in cfg.items() if k != "name"}}
-    if args["n_sites"] is None:
-        raise ValueError("net.n_sites: required for name 'lcfed' (number of sites of the federation)")
+    if not isinstance(args["n_sites"], int) or args["n_sites"] < 1:
+        raise ValueError(f"net.n_sites: required for name 'lcfed' (the number of sites of the federation, >= 1), "
+                         f"got {args['n_sites']!r}")
     return LCFedNet(**args)

@@ -20,15 +20,19 @@ UNET_DEFAULTS = {
 }
 
 
+#: keys of the project's net config that only the LC-Fed net reads
+LCFED_ONLY = {"n_sites", "embed_dim", "pcs"}
+
+
 def build_unet(cfg: Mapping) -> nn.Module:
     """Build ``monai.networks.nets.UNet(spatial_dims=2, ...)`` from ``cfg`` (keys of UNET_DEFAULTS).
 
     Output: raw logits (B, out_channels, H, W); one sigmoid channel per foreground class.
     """
-    unknown = set(cfg) - set(UNET_DEFAULTS) - {"name"}
+    unknown = set(cfg) - set(UNET_DEFAULTS) - {"name"} - LCFED_ONLY
     if unknown:
         raise ValueError(f"net: unknown key(s) {sorted(unknown)}; known: {sorted(UNET_DEFAULTS)}")
-    args = {**UNET_DEFAULTS, **{k: v for k, v in cfg.items() if k != "name"}}
+    args = {**UNET_DEFAULTS, **{k: v for k, v in cfg.items() if k in UNET_DEFAULTS}}
     if len(args["strides"]) != len(args["channels"]) - 1:
         raise ValueError(
             f"net: strides needs len(channels) - 1 = {len(args['channels']) - 1} entries, got {args['strides']}"
@@ -49,7 +53,7 @@ def build_net(cfg: Mapping) -> nn.Module:
     """Factory over the project's networks; ``cfg["name"]`` selects (default ``unet``).
 
     ``unet``: :func:`build_unet`; ``lcfed``: :func:`pflseg.nets.lcfed.build_lcfed` (LC-Fed net with PCS
-    and HC; its forward takes ``(image, site_index)`` and returns a dict).
+    and HC; ``forward(image)`` gives the coarse logits of site ``net.site``, ``parts(image, site)`` a dict).
     """
     name = cfg.get("name", "unet")
     if name == "unet":

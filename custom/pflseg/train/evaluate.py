@@ -3,14 +3,21 @@
 Predictions are ``sigmoid(logits) > 0.5`` per class channel. Per-case Dice stacks a case's slices in
 slice order into a (C, H, W, D) volume and scores it with MONAI's DiceMetric; a class absent from both
 prediction and ground truth of a case counts as 1 (perfect), absent from ground truth only as 0.
+IoU (MONAI ``compute_iou``) follows the same rule. ASSD (average symmetric surface distance, MONAI
+``compute_average_surface_distance``, on request: it costs a distance transform per case and class) is
+in pixels of the resized slices (slice spacing 1); a class empty in both is 0, a class empty in only one
+of prediction and ground truth has no surface distance: it is left out of the mean and counted in
+``assd_undefined``.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 
+import warnings
+
 import torch
-from monai.metrics import DiceMetric
+from monai.metrics import DiceMetric, compute_average_surface_distance, compute_iou
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -34,12 +41,34 @@ def dice_scores(pred: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
     return metric(pred[None].float(), label[None].float())[0]
 
 
-def evaluate(model: nn.Module, dataset: Dataset, device: torch.device, batch_size: int = 32) -> dict:
+def iou_scores(pred: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    """Per-class IoU of one sample: pred/label (C, ...) bool -> (C,) float, empty-vs-empty = 1."""
+    return compute_iou(pred[None].float(), label[None].float(), include_background=True, ignore_empty=False)[0]
+
+
+def assd_scores(pred: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    """Per-class ASSD of one sample in pixels: (C, ...) bool -> (C,) float; 0 when both are empty, inf
+    when only one of them is."""
+    with warnings.catch_warnings():  # MONAI warns about empty masks; handled here
+        warnings.simplefilter("ignore")
+        out = compute_average_surface_distance(pred[None].float(), label[None].float(), include_background=True,
+                                               symmetric=True)[0]
+    both_empty = ~pred.flatten(1).any(1) & ~label.flatten(1).any(1)
+    one_empty = pred.flatten(1).any(1) ^ label.flatten(1).any(1)
+    out = torch.where(both_empty, torch.zeros_like(out), out)
+    return torch.where(one_empty, torch.full_like(out, float("inf")), out)
+
+
+def evaluate(model: nn.Module, dataset: Dataset, device: torch.device, batch_size: int = 32,
+             surface: bool = False) -> dict:
     """Score ``model`` on ``dataset``.
 
     Returns:
         ``dice`` (mean over cases and classes), ``dice_per_class`` (per class, over cases),
-        ``dice_image`` (mean over 2D images and classes), ``n_cases``, ``n_images``, ``per_case``.
+        ``dice_image`` (mean over 2D images and classes), ``iou``, ``iou_per_class`` (per case, like
+        Dice), ``n_cases``, ``n_images``, ``per_case`` (Dice); with ``surface`` also ``assd``,
+        ``assd_per_class`` (mean over the cases where it is defined; None if nowhere) and ``assd_undefined``
+        (number of (case, class) pairs left out).
     """
     if len(dataset) == 0:
         raise ValueError("evaluate: empty dataset")
@@ -48,18 +77,33 @@ def evaluate(model: nn.Module, dataset: Dataset, device: torch.device, batch_siz
     for (case, slice_idx), pred, label in predict(model, dataset, device, batch_size):
         by_case[case].append((slice_idx, pred, label))
         image_scores.append(dice_scores(pred, label))
-    per_case = {}
+    per_case, ious, assds = {}, [], []
     for case, items in by_case.items():
         items.sort(key=lambda t: t[0])
         pred = torch.stack([p for _, p, _ in items], dim=-1)
         label = torch.stack([l for _, _, l in items], dim=-1)
         per_case[case] = dice_scores(pred, label)
-    case_tensor = torch.stack(list(per_case.values()))
-    return {
+        ious.append(iou_scores(pred, label))
+        if surface:
+            assds.append(assd_scores(pred, label))
+    case_tensor, iou = torch.stack(list(per_case.values())), torch.stack(ious)
+    out = {
         "dice": float(case_tensor.mean()),
         "dice_per_class": [float(x) for x in case_tensor.mean(0)],
         "dice_image": float(torch.stack(image_scores).mean()),
+        "iou": float(iou.mean()),
+        "iou_per_class": [float(x) for x in iou.mean(0)],
         "n_cases": len(per_case),
         "n_images": len(image_scores),
         "per_case": {k: [float(x) for x in v] for k, v in sorted(per_case.items())},
     }
+    if surface:
+        assd = torch.stack(assds)
+        finite = torch.isfinite(assd)
+
+        def mean(t, m):
+            return float(t[m].mean()) if m.any() else None
+
+        out.update(assd=mean(assd, finite), assd_per_class=[mean(assd[:, c], finite[:, c]) for c in range(assd.shape[1])],
+                   assd_undefined=int((~finite).sum()))
+    return out

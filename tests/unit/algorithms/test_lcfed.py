@@ -6,19 +6,23 @@ import torch
 from monai.losses import DiceLoss
 
 from pflseg.algorithms.lcfed import (
+    STEP_DEFAULTS,
+    SitePredictor,
     average_shared,
     calibrate,
     disagreement_map,
     gaussian_enlarge,
     gaussian_kernel,
+    head_map,
     lcfed_loss,
     lcfed_step,
     nms,
+    set_phase,
     site_contrast_loss,
     uncertainty_map,
 )
 from pflseg.nets import build_net
-from pflseg.nets.lcfed import PCS
+from pflseg.nets.lcfed import PCS, personal_keys
 
 # --- site contrast ---------------------------------------------------------------------------------
 
@@ -174,7 +178,7 @@ def test_lcfed_step_without_hc_is_coarse_dice_plus_weighted_site_contrast():
     net, (image, label), dice, heads = _step_setup()
     ref = copy.deepcopy(net).train()
     with torch.no_grad():
-        out = ref(image, 0)
+        out = ref.parts(image, 0)
         sc = site_contrast_loss(out["embedding"], ref.pcs.embed(torch.tensor([1, 2])))
         expected = dice(out["coarse"], label) + 0.5 * sc
 
@@ -188,7 +192,7 @@ def test_lcfed_step_with_only_its_own_head_calibrates_nothing():
     net, (image, label), dice, _ = _step_setup()
     ref = copy.deepcopy(net).train()
     with torch.no_grad():
-        out = ref(image, 2)
+        out = ref.parts(image, 2)
         sc = site_contrast_loss(out["embedding"], ref.pcs.embed(torch.tensor([0, 1])))
         expected = dice(out["coarse"], label) + dice(ref.calib_head(out["feature"]), label) + 0.1 * sc
 
@@ -197,3 +201,32 @@ def test_lcfed_step_with_only_its_own_head_calibrates_nothing():
     assert math.isclose(got["loss"], float(expected), rel_tol=1e-5)
     with pytest.raises(ValueError, match="cfg"):
         lcfed_step(net, (image, label), opt, dice, [], 2, 3, {"lambda": 0.1})
+
+
+def test_head_then_body_phases_train_only_their_part():
+    net, batch, dice, heads = _step_setup()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    personal = set(personal_keys(net))
+
+    def changed_after_step(phase):
+        before = {k: v.detach().clone() for k, v in net.named_parameters()}
+        set_phase(net, phase)
+        lcfed_step(net, batch, opt, dice, heads, 1, 3, {"nms_window": 5})
+        return {k for k, v in net.named_parameters() if not torch.equal(v, before[k])}
+
+    assert changed_after_step("head") == {k for k in personal}
+    assert changed_after_step("body") == {k for k, _ in net.named_parameters()} - personal
+    set_phase(net, "all")
+    assert all(p.requires_grad for p in net.parameters())
+    with pytest.raises(ValueError, match="phase"):
+        set_phase(net, "heads")
+
+
+def test_site_predictor_gives_calibrated_logits_and_coarse_without_hc():
+    net, (image, _), _, heads = _step_setup()
+    net.eval()
+    with torch.no_grad():
+        out = net.parts(image, 1)
+        umap = head_map(net, out["feature"], heads, {**STEP_DEFAULTS, "nms_window": 5})
+        assert torch.allclose(SitePredictor(net, 1, heads, {"nms_window": 5})(image), net.calibrated_logits(out["feature"], umap))
+        assert torch.equal(SitePredictor(net, 1, heads, {"hc": False})(image), out["coarse"])

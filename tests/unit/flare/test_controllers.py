@@ -41,6 +41,7 @@ def make(method, tmp_path, monkeypatch, **over):
     ctrl.sites = ["site-1", "site-2", "site-3"]
     ctrl.store = RoundStore(tmp_path / "server")
     ctrl.missing = {}
+    ctrl.size_net()
     ctrl.restore()
     ctrl.info = ctrl.warning = ctrl.error = lambda msg: None
     return ctrl

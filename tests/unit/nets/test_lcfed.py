@@ -17,7 +17,7 @@ def tiny_net(**over):
 @pytest.mark.parametrize("out_channels", [1, 2])
 def test_forward_shapes_for_one_and_two_class_outputs(out_channels):
     net = tiny_net(out_channels=out_channels)
-    out = net(torch.randn(2, 1, 32, 48), 1)
+    out = net.parts(torch.randn(2, 1, 32, 48), 1)
     assert set(out) == {"feature", "coarse", "embedding"}
     assert out["feature"].shape == (2, 4, 32, 48)
     assert out["coarse"].shape == (2, out_channels, 32, 48)
@@ -27,7 +27,7 @@ def test_forward_shapes_for_one_and_two_class_outputs(out_channels):
 
 def test_per_sample_site_indices_give_each_sample_its_site_embedding():
     net = tiny_net()
-    out = net(torch.randn(3, 1, 32, 32), torch.tensor([0, 2, 0]))
+    out = net.parts(torch.randn(3, 1, 32, 32), torch.tensor([0, 2, 0]))
     emb = out["embedding"]
     assert torch.equal(emb[0], emb[2]) and not torch.allclose(emb[0], emb[1])
     assert torch.allclose(emb[1], net.pcs.embed(torch.tensor([2]))[0])
@@ -55,7 +55,7 @@ def test_pcs_is_a_registered_shared_module_trained_by_the_task_loss():
     assert sorted(shared_keys(net) + personal_keys(net)) == sorted(keys)
 
     label = (torch.rand(2, 1, 32, 32) > 0.5).float()
-    out = net(torch.randn(2, 1, 32, 32), 1)
+    out = net.parts(torch.randn(2, 1, 32, 32), 1)
     lcfed_loss(out["coarse"], None, label, torch.tensor(0.0), lam=0.0).backward()
     for name, p in net.pcs.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
@@ -76,7 +76,7 @@ def test_pcs_parameters_are_averaged_by_average_shared_and_heads_are_not():
 
 def test_calibrated_head_input_equals_the_feature_when_the_map_is_zero():
     net = tiny_net(out_channels=2)
-    feature = net(torch.randn(1, 1, 32, 32), 0)["feature"]
+    feature = net.parts(torch.randn(1, 1, 32, 32), 0)["feature"]
     calib = net.calibrated_logits(feature, torch.zeros(1, 2, 32, 32))
     assert torch.allclose(calib, net.calib_head(feature))
     assert not torch.allclose(net.calibrated_logits(feature, torch.ones(1, 1, 32, 32)), calib)
@@ -97,7 +97,7 @@ def test_bad_configs_name_the_key(cfg, match):
 def test_site_index_out_of_range_is_an_error():
     net = tiny_net()
     with pytest.raises(ValueError, match="site_index"):
-        net(torch.randn(1, 1, 32, 32), 3)
+        net.parts(torch.randn(1, 1, 32, 32), 3)
 
 
 def test_unet_name_is_unchanged_and_defaults_are_five_stages():

@@ -68,6 +68,7 @@ class RoundController(ModelController):
         self.store = RoundStore(state_dir("server", self.cfg["name"]))
         self.missing: dict[str, str] = {}
         try:
+            self.size_net()
             start = self.restore()
         except (ValueError, RuntimeError) as exc:  # bad method settings for this federation, corrupt checkpoint
             self.panic(str(exc))
@@ -88,6 +89,17 @@ class RoundController(ModelController):
             self.store.save(r, self.checkpoint(r))
             self.info(f"round {r + 1} done in {wall:.2f} s (site compute max {max(compute.values(), default=0):.2f} s)")
         self.finish()
+
+    def size_net(self) -> None:
+        """LC-Fed's net has one site embedding per site: ``net.n_sites: 0`` becomes the number of sites."""
+        net = self.cfg["net"]
+        if net["name"] != "lcfed":
+            return
+        if net["n_sites"] == 0:
+            net["n_sites"] = len(self.sites)
+        elif net["n_sites"] < len(self.sites):
+            raise ValueError(f"net.n_sites={net['n_sites']} but {len(self.sites)} sites joined ({self.sites}); "
+                             "set net.n_sites: 0 (one site embedding per connected site)")
 
     def round(self, r: int) -> dict:
         """Run round ``r``: send, collect, aggregate. Returns per-site compute seconds."""
@@ -192,6 +204,13 @@ class RoundController(ModelController):
         """What the final validate task carries to ``site`` (the global model; empty for methods without one)."""
         return prefixed("global", self.global_state)
 
+    def extra_results(self) -> dict:
+        """Method-specific entries of results.json."""
+        return {}
+
+    def personalize(self, last: int, best: dict) -> None:
+        """After training, before the final test (e.g. FT's local fine-tuning of ``best``); default nothing."""
+
     def finish(self) -> None:
         last = self.n_rounds()
         try:
@@ -199,6 +218,7 @@ class RoundController(ModelController):
             if self.final_params(self.sites[0]):
                 self.track_best(last, val, self.global_state)
             best = prefixed("global", self.best_state) if self.best_state else {}
+            self.personalize(last, best)
             tested = self.send_each("test", {s: self.message(last, best) for s in self.sites})
         except RoundError as exc:
             self.panic(str(exc))
@@ -206,7 +226,7 @@ class RoundController(ModelController):
         results = {
             "job": self.cfg["name"], "method": self.cfg["method"], "rounds": self.cfg["rounds"], "sites": self.sites,
             "best_global_round": self.best["round"], "missing": self.missing, "history": self.history,
-            "test": {s: res.metrics["test"] for s, res in tested.items()}, "config": self.cfg,
+            "test": {s: res.metrics["test"] for s, res in tested.items()}, "config": self.cfg, **self.extra_results(),
         }
         text = json.dumps(results, indent=1, sort_keys=True)
         for folder in (self.store.root, Path(self.get_run_dir())):

@@ -1,0 +1,22 @@
+"""FT baseline: FedAvg rounds, then every site fine-tunes the final global model on its own data.
+
+The global model chosen by validation (as for FedAvg) goes to each site with a ``finetune`` task; the
+site trains it ``ft.epochs`` more epochs and keeps, as its own model, the best by validation Dice of the
+global model and every fine-tuned epoch. The final test reports both: ``global`` (FedAvg) and ``site`` (FT).
+"""
+
+from __future__ import annotations
+
+from pflseg.flare.controllers.fedavg import FedAvgController
+
+
+class FTController(FedAvgController):
+    def personalize(self, last: int, best: dict) -> None:
+        model = best or {f"global.{k}": v for k, v in self.global_state.items()}
+        done = self.send_each("finetune", {s: self.message(last, model) for s in self.sites})
+        self.ft = {s: {"best_epoch": res.metrics["ft_best_epoch"], "val_dice": res.metrics["ft_val_dice"]}
+                   for s, res in done.items()}
+        self.info(f"fine-tuned: best epoch per site {({s: v['best_epoch'] for s, v in self.ft.items()})}")
+
+    def extra_results(self) -> dict:
+        return {"ft": getattr(self, "ft", {})}

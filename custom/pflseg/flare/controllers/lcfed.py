@@ -1,0 +1,80 @@
+"""LC-Fed and FedRep workflows (ALGORITHMS.md section 4): shared body, personal heads.
+
+Every round each site receives the shared part of the model (PCS included; the full initial model in
+round 0), merges it with its own heads kept on its disk, trains and sends back the shared part; the server
+takes the plain (equal-weight) average. With HC (``lcfed.hc``, method ``lcfed``) each site also sends its
+coarse head, and the next round the server sends every site the coarse heads of all the others for its
+disagreement map: every site's coarse head is shared with every other site (HC's own head never leaves
+its site). The bytes of that head exchange are recorded per round (``head_bytes``). FedRep runs the same
+workflow without HC and site contrast. There is no global model to select: every site selects its own
+model on its validation split.
+"""
+
+from __future__ import annotations
+
+from pflseg.algorithms.lcfed import average_shared
+from pflseg.flare.controllers.fedavg import FedAvgController
+from pflseg.flare.state import prefixed, unprefixed
+from pflseg.nets import build_net
+from pflseg.nets.lcfed import shared_keys
+
+
+def nbytes(state: dict) -> int:
+    return sum(v.numel() * v.element_size() for v in state.values())
+
+
+class LCFedController(FedAvgController):
+    def hc(self) -> bool:
+        return self.cfg["method"] == "lcfed" and self.cfg["lcfed"]["hc"]
+
+    def shared_keys(self) -> list[str]:
+        return shared_keys(build_net(self.cfg["net"]))
+
+    def restore(self) -> int:
+        start = super().restore()
+        self.head_shape = dict(build_net(self.cfg["net"]).head.state_dict())
+        self.heads: dict[str, dict] = {}  # site -> its latest coarse head (weight, bias)
+        if start > 0:
+            ckpt = self.store.load(start - 1)
+            self.heads = {s: unprefixed(f"heads.{s}", ckpt) for s in self.sites if unprefixed(f"heads.{s}", ckpt)}
+        return start
+
+    def checkpoint(self, r: int) -> dict:
+        out = super().checkpoint(r)
+        for site, head in self.heads.items():
+            out.update(prefixed(f"heads.{site}", head))
+        return out
+
+    def others_heads(self, site: str) -> dict:
+        if not self.hc():
+            return {}
+        out = {}
+        for other, head in self.heads.items():
+            if other != site:
+                out.update(prefixed(f"heads.{other}", head))
+        return out
+
+    def track_best(self, r: int, results: dict, state: dict) -> None:
+        super().track_best(r, results, {})  # records the sites' validation Dice; no global model to keep
+
+    def round(self, r: int) -> dict:
+        keys = self.shared_keys()
+        body = self.global_state if r == 0 else {k: self.global_state[k] for k in keys}
+        payloads = {s: self.message(r, {**prefixed("global", body), **self.others_heads(s)}) for s in self.sites}
+        reference = prefixed("global", {k: self.global_state[k] for k in keys})
+        if self.hc():
+            reference.update(prefixed("head", self.head_shape))
+        results = self.send_each("train", payloads, reference=reference)
+        self.track_best(r, results, self.global_state)
+        states = [unprefixed("global", res.params) for res in results.values()]
+        self.global_state.update({k: v for k, v in average_shared(states, keys)[0].items() if k in keys})
+        if self.hc():
+            down = sum(nbytes(unprefixed("heads", p.params)) for s, p in payloads.items() if s in results)
+            for site, res in results.items():
+                self.heads[site] = unprefixed("head", res.params)
+            up = sum(nbytes(unprefixed("head", res.params)) for res in results.values())
+            self.round_metrics["head_bytes"] = {"up": up, "down": down}
+        return {s: res.metrics.get("compute_seconds", 0.0) for s, res in results.items()}
+
+    def final_params(self, site: str) -> dict:
+        return {**prefixed("global", {k: self.global_state[k] for k in self.shared_keys()}), **self.others_heads(site)}

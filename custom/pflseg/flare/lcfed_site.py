@@ -1,0 +1,127 @@
+"""LC-Fed and FedRep, the site's side (a ``Site`` subclass; ALGORITHMS.md section 4).
+
+Every round the site merges the shared part it receives with its own heads (coarse head and HC head,
+kept in its round state on disk), scores that model on its validation split (tracking its best model by
+validation Dice in ``best.pt``, together with the other sites' heads it was scored with), trains it with
+``pflseg.algorithms.lcfed.lcfed_step`` as the loop's step, and sends back the shared part and, with HC,
+its coarse head. The site's prediction is the calibrated head's (HC on) or the coarse head's
+(``SitePredictor``). ``lcfed.head_first_iters`` > 0 trains the personal heads alone for that many
+iterations of the round, then the body alone (FedRep / reference-code schedule).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+
+from pflseg.algorithms.lcfed import SitePredictor, lcfed_step, set_phase
+from pflseg.flare.client import Site, _cpu
+from pflseg.flare.state import load_file, prefixed, save_file, unprefixed
+from pflseg.nets.lcfed import shared_keys
+from pflseg.train import Hooks, derive_seed, evaluate, seed_everything
+
+
+def step_config(cfg: dict) -> dict:
+    """The step's settings for this job: FedRep has neither HC nor site contrast."""
+    lc, lcfed = cfg["lcfed"], cfg["method"] == "lcfed"
+    return {"lam": lc["lam"] if lcfed else 0.0, "hc": lcfed and lc["hc"], "nms_window": lc["nms_window"],
+            "nms_threshold": lc["nms_threshold"], "gauss_size": lc["gauss_size"], "gauss_sigma": lc["gauss_sigma"] or None}
+
+
+class LCFedSite(Site):
+    def __init__(self, name: str, cfg: dict, sites: list[str]):
+        super().__init__(name, cfg, sites)
+        self.k, self.step_cfg = sorted(sites).index(name), step_config(cfg)
+        self.shared = shared_keys(self.net)
+
+    def tasks(self) -> dict:
+        return {**super().tasks(), "train": self.train, "validate": self.validate, "test": self.test}
+
+    def previous(self, r: int) -> dict:
+        """The site's latest round state before round ``r`` (a round it was left out of is skipped)."""
+        rounds = [x for x in self.store.rounds() if x < r]
+        if r > 0 and not rounds:
+            raise RuntimeError(f"site {self.name}: no state before round {r} in {self.store.root} (its heads live there); "
+                               "the site state was removed or the job was resumed at another site")
+        return self.store.load(max(rounds)) if rounds else {}
+
+    def model_now(self, msg: FLModel, prev: dict) -> tuple[torch.nn.Module, dict]:
+        """Own model (heads from ``prev``) with the received shared part; the other sites' heads by site."""
+        state = dict(self.net.state_dict())
+        state.update(unprefixed("model", prev))
+        state.update(unprefixed("global", msg.params))
+        self.net.load_state_dict(state)
+        heads = {s: unprefixed(f"heads.{s}", msg.params) for s in self.sites if s != self.name}
+        return self.net, {s: h for s, h in heads.items() if h}
+
+    def predictor(self, heads: dict) -> SitePredictor:
+        return SitePredictor(self.net, self.k, list(heads.values()), self.step_cfg)
+
+    def track(self, heads: dict, r: int) -> dict:
+        metrics = evaluate(self.predictor(heads), self.data("validation"), self.device, self.cfg["train"]["eval_batch_size"])
+        best = load_file(self.best_path) if self.best_path.is_file() else None
+        if best is None or metrics["dice"] > best["score"]:
+            kept = {"round": r, "score": metrics["dice"], **prefixed("model", _cpu(self.net))}
+            for site, head in heads.items():
+                kept.update(prefixed(f"heads.{site}", head))
+            save_file(self.best_path, kept)
+        return metrics
+
+    def schedule(self, heads: dict) -> Hooks:
+        """The loop's step: ``lcfed_step``; with ``head_first_iters`` the heads alone, then the body alone."""
+        n_head, done = self.cfg["lcfed"]["head_first_iters"], [0]
+        n_sites = self.cfg["net"]["n_sites"]
+
+        def step(model, batch, optimizer, loss_fn):
+            if n_head:
+                set_phase(model, "head" if done[0] < n_head else "body")
+            done[0] += 1
+            return lcfed_step(model, batch, optimizer, loss_fn, list(heads.values()), self.k, n_sites, self.step_cfg)["loss"]
+
+        return Hooks(step=step)
+
+    def train(self, msg: FLModel) -> FLModel:
+        r, cfg = msg.current_round, self.cfg
+        if r == 0 and not cfg["resume"]:
+            self.store.clear()
+            self.best_path.unlink(missing_ok=True)
+        seed = derive_seed(cfg["seed"], self.name, r)
+        seed_everything(seed)
+        prev = self.previous(r)
+        model, heads = self.model_now(msg, prev)
+        val = self.track(heads, r)
+        t0 = time.time()
+        try:
+            stats, optim = self._fit(model, "model", prev, seed, self.schedule(heads))
+        finally:
+            set_phase(model, "all")
+        train_s = time.time() - t0
+        trained = _cpu(model)
+        self.store.save(r, {"round": r, "optim.model": optim, **prefixed("model", trained)})
+        params = prefixed("global", {k: trained[k] for k in self.shared})
+        if self.step_cfg["hc"]:
+            params.update(prefixed("head", _cpu(model.head)))
+        after = evaluate(self.predictor(heads), self.data("validation"), self.device, cfg["train"]["eval_batch_size"])
+        metrics = {"val_dice": val["dice"], "val_dice_local": after["dice"], "train_loss": stats["loss"],
+                   "train_seconds": train_s, "n_samples": stats["samples"]}
+        return FLModel(params=params, params_type=ParamsType.FULL, metrics=metrics,
+                       meta={"NUM_STEPS_CURRENT_ROUND": stats["samples"], "site": self.name})
+
+    def validate(self, msg: FLModel) -> FLModel:
+        _, heads = self.model_now(msg, self.previous(msg.current_round))
+        return FLModel(params={}, metrics={"val_dice": self.track(heads, msg.current_round)["dice"]}, meta={"site": self.name})
+
+    def test(self, msg: FLModel) -> FLModel:
+        """The site's best model by validation (with the other sites' heads it was chosen with) on its test
+        split; with HC also its coarse head alone (``site_coarse``)."""
+        data, bs = self.data("testing"), self.cfg["train"]["eval_batch_size"]
+        best = load_file(self.best_path)
+        self.net.load_state_dict(unprefixed("model", best))
+        heads = {s: unprefixed(f"heads.{s}", best) for s in self.sites if unprefixed(f"heads.{s}", best)}
+        metrics = {"site": {**evaluate(self.predictor(heads), data, self.device, bs, surface=True),
+                            "selected_round": best["round"]}}
+        if self.step_cfg["hc"]:
+            metrics["site_coarse"] = evaluate(self.net, data, self.device, bs, surface=True)
+        return FLModel(params={}, metrics={"test": metrics}, meta={"site": self.name})
