@@ -104,3 +104,15 @@ def test_unet_name_is_unchanged_and_defaults_are_five_stages():
     assert isinstance(build_net({}), UNet) and isinstance(build_net({"name": "unet"}), UNet)
     net = build_net({"name": "lcfed", "n_sites": 2})
     assert isinstance(net, LCFedNet) and len(net.encoder) == 5 and net.feature_channels == 16
+
+
+def test_plain_forward_is_the_coarse_head_of_the_nets_site_and_pcs_can_be_left_out():
+    net = tiny_net().eval()
+    net.site = 2
+    image = torch.randn(2, 1, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(net(image), net.parts(image, 2)["coarse"])
+        assert not torch.equal(net(image), net.parts(image, 0)["coarse"])  # PCS makes the site matter
+    plain = tiny_net(pcs=False)
+    assert plain.pcs is None and not any(k.startswith("pcs.") for k in plain.state_dict())
+    assert plain.parts(image)["embedding"] is None

@@ -32,6 +32,8 @@ class LCFedController(FedAvgController):
 
     def restore(self) -> int:
         start = super().restore()
+        if self.hc():
+            self.info("lcfed.hc: every round each site's coarse head is sent to every other site of the job")
         self.head_shape = dict(build_net(self.cfg["net"]).head.state_dict())
         self.heads: dict[str, dict] = {}  # site -> its latest coarse head (weight, bias)
         if start > 0:
