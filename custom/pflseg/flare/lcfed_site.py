@@ -1,10 +1,12 @@
 """LC-Fed and FedRep, the site's side (a ``Site`` subclass; ALGORITHMS.md section 4).
 
 Every round the site merges the shared part it receives with its own heads (coarse head and HC head,
-kept in its round state on disk), scores that model on its validation split (tracking its best model by
-validation Dice in ``best.pt``, together with the other sites' heads it was scored with), trains it with
+kept in its round state on disk), scores that model on its validation split, trains it with
 ``pflseg.algorithms.lcfed.lcfed_step`` as the loop's step, and sends back the shared part and, with HC,
-its coarse head. The site's prediction is the calibrated head's (HC on) or the coarse head's
+its coarse head. The site's personalized model is its model after the round's local training (as for
+GRACE): the averaged body does not yet fit the site's own heads, the locally trained one does. The best
+by validation Dice is kept in ``best.pt`` with the other sites' heads it was scored with; the final
+``validate`` task also offers the last averaged body with the site's heads. The site's prediction is the calibrated head's (HC on) or the coarse head's
 (``SitePredictor``). ``lcfed.head_first_iters`` > 0 trains the personal heads alone for that many
 iterations of the round, then the body alone (FedRep / reference-code schedule).
 """
@@ -91,7 +93,7 @@ class LCFedSite(Site):
         seed_everything(seed)
         prev = self.previous(r)
         model, heads = self.model_now(msg, prev)
-        val = self.track(heads, r)
+        val = evaluate(self.predictor(heads), self.data("validation"), self.device, cfg["train"]["eval_batch_size"])
         t0 = time.time()
         try:
             stats, optim = self._fit(model, "model", prev, seed, self.schedule(heads))
@@ -103,7 +105,7 @@ class LCFedSite(Site):
         params = prefixed("global", {k: trained[k] for k in self.shared})
         if self.step_cfg["hc"]:
             params.update(prefixed("head", _cpu(model.head)))
-        after = evaluate(self.predictor(heads), self.data("validation"), self.device, cfg["train"]["eval_batch_size"])
+        after = self.track(heads, r)  # the personalized model: after local training
         metrics = {"val_dice": val["dice"], "val_dice_local": after["dice"], "train_loss": stats["loss"],
                    "train_seconds": train_s, "n_samples": stats["samples"]}
         return FLModel(params=params, params_type=ParamsType.FULL, metrics=metrics,
