@@ -3,10 +3,11 @@
 Every round the site merges the shared part it receives with its own heads (coarse head and HC head,
 kept in its round state on disk), scores that model on its validation split, trains it with
 ``pflseg.algorithms.lcfed.lcfed_step`` as the loop's step, and sends back the shared part and, with HC,
-its coarse head. The site's personalized model is its model after the round's local training (as for
-GRACE): the averaged body does not yet fit the site's own heads, the locally trained one does. The best
-by validation Dice is kept in ``best.pt`` with the other sites' heads it was scored with; the final
-``validate`` task also offers the last averaged body with the site's heads. The site's prediction is the calibrated head's (HC on) or the coarse head's
+its coarse head. The site's personalized model is the best by validation Dice of its models before
+(received shared part + own heads) and after each round's local training, kept in ``best.pt`` with the
+other sites' heads it was scored with: the freshly averaged body often does not fit the site's own heads
+yet, the locally trained one does. (Scoring both also makes a resumed job choose among exactly the same
+models as an uninterrupted one: the final ``validate`` task scores the "before" model of the next round.) The site's prediction is the calibrated head's (HC on) or the coarse head's
 (``SitePredictor``). ``lcfed.head_first_iters`` > 0 trains the personal heads alone for that many
 iterations of the round, then the body alone (FedRep / reference-code schedule).
 """
@@ -93,7 +94,7 @@ class LCFedSite(Site):
         seed_everything(seed)
         prev = self.previous(r)
         model, heads = self.model_now(msg, prev)
-        val = evaluate(self.predictor(heads), self.data("validation"), self.device, cfg["train"]["eval_batch_size"])
+        val = self.track(heads, r)  # the received shared part with the site's heads is a candidate too
         t0 = time.time()
         try:
             stats, optim = self._fit(model, "model", prev, seed, self.schedule(heads))
