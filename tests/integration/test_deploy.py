@@ -15,7 +15,7 @@ from pflseg.deploy.provision import REPO_PROJECT, provision_loopback
 from pflseg.deploy.submit import SubmitError, submit
 from pflseg.flare.jobs import export_job
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deploy")]  # one worker: shared module fixture
 SITES = ["site-1", "site-2", "site-3"]
 TINY = {"rounds": 2, "min_clients": 2, "task_timeout": 300, "data": {"size": 32},
         "net": {"channels": [4, 8, 16], "strides": [2, 2]}, "train": {"batch_size": 8, "epochs": 1}}

@@ -10,7 +10,7 @@ from pflseg.flare.state import RoundStore, load_file
 
 from tests.integration.test_simulator import TINY, assert_same_states, server_state
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("iopfl")]  # one worker: shared module fixture
 
 
 @pytest.fixture(scope="module")
