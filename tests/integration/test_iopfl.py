@@ -36,7 +36,7 @@ def test_one_thread_resumed_equals_three_threads_uninterrupted(trained, tmp_path
     for h in straight["history"]:
         assert set(h["val_dice"]) == {"site-1", "site-2", "site-3"}
     run("iopfl", tmp_path, data, threads=1, rounds=1)
-    resumed = run("iopfl", tmp_path, data, threads=1, rounds=2, resume=True)
+    resumed = run("iopfl", tmp_path, data, threads=3, rounds=2, resume=True)  # -t 1 before the stop, -t 3 after
     assert [h["round"] for h in resumed["history"]] == [0, 1]
     assert resumed["test"] == straight["test"]
     assert_same_states(server_state(ws, "iopfl"), server_state(tmp_path, "iopfl"))
