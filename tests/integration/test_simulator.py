@@ -57,14 +57,15 @@ def assert_same_states(a: dict, b: dict):
         assert torch.equal(ta[k], tb[k]), k
 
 
-# fedsm and fedsm_extra run in the inference test, fedsm_fundus inside fedsm_extra_fundus
-# (lcfed runs in the threads/resume test, lcfed_fundus covers its two-class case)
-COVERED_ELSEWHERE = ("fedsm", "fedsm_extra", "fedsm_fundus", "fedsm_infer", "iopfl", "iopfl_route", "lcfed")  # iopfl*: test_iopfl.py
+# fedsm and fedsm_extra run in the inference test, fedsm_fundus inside fedsm_extra_fundus; fedbn, grace and lcfed
+# in the threads/resume test (lcfed_fundus covers LC-Fed's two-class case); iopfl*: test_iopfl.py
+COVERED_ELSEWHERE = ("fedsm", "fedsm_extra", "fedsm_fundus", "fedsm_infer", "fedbn", "grace", "lcfed", "iopfl",
+                     "iopfl_route")
 
 
 def test_every_job_is_run_by_a_test():
-    assert set(job_names()) - set(COVERED_ELSEWHERE) == {"local", "fedavg", "fedprox", "fedbn", "centralized",
-                                                          "fedsm_extra_fundus", "grace", "grace_server", "grace_client",
+    assert set(job_names()) - set(COVERED_ELSEWHERE) == {"local", "fedavg", "fedprox", "centralized",
+                                                          "fedsm_extra_fundus", "grace_server", "grace_client",
                                                           "lcfed_fundus", "lcfed_nohc", "fedrep", "ft"}
 
 
@@ -91,7 +92,7 @@ def test_job_completes_with_per_site_test_dice(name, tmp_path, data):
     run_dir = tmp_path / "sim" / "server" / "simulate_job"
     assert (run_dir / "results.json").is_file()  # in the FLARE run dir too (downloaded with the job)
     tb = {p.name for p in (run_dir / "tb_events").iterdir()}  # TensorBoard via FLARE
-    if name in ("grace", "grace_server"):  # the server's consistency weights are recorded every round
+    if name == "grace_server":  # the server's consistency weights are recorded every round
         assert all(abs(sum(h["grace_weights"].values()) - 1) < 1e-6 for h in res["history"])
         (server,) = tb - {"site-1", "site-2"}  # the server's identity ("simulator_server" here)
         assert list((run_dir / "tb_events" / server).rglob("events.*"))
@@ -108,6 +109,13 @@ def test_threads_and_resume_do_not_change_the_models(name, tmp_path, data):
     LC-Fed's heads (site state) and the server's copies of the coarse heads are carried the same way."""
     over = {"grace": {"align": "adv"}} if name == "grace" else {}
     straight = run(name, tmp_path / "straight", data, sites=3, threads=3, rounds=2, **over)
+    assert sorted(straight["test"]) == straight["sites"] and not straight["missing"]
+    assert all(0.0 <= straight["test"][s]["site"]["dice"] <= 1.0 for s in straight["sites"])
+    if name == "grace":  # the server's consistency weights: every round, in results and TensorBoard
+        assert all(abs(sum(h["grace_weights"].values()) - 1) < 1e-6 for h in straight["history"])
+        tb = tmp_path / "straight" / "sim" / "server" / "simulate_job" / "tb_events"
+        (server,) = {p.name for p in tb.iterdir()} - set(straight["sites"])
+        assert list((tb / server).rglob("events.*"))
     run(name, tmp_path / "resumed", data, sites=3, threads=1, rounds=1, **over)
     resumed = run(name, tmp_path / "resumed", data, sites=3, threads=3, rounds=2, resume=True, **over)
     assert [h["round"] for h in resumed["history"]] == [0, 1]
@@ -122,13 +130,6 @@ def test_threads_and_resume_do_not_change_the_models(name, tmp_path, data):
             assert any(k.startswith("disc.") for k in a.load(1))
     if name == "lcfed":
         assert sorted({k.split(".")[1] for k in server_state(tmp_path / "resumed", name) if k.startswith("heads.")}) == straight["sites"]
-
-
-def test_embedded_synthetic_default_when_no_data_configured(tmp_path):
-    job = export_job("fedavg", tmp_path / "jobs", overrides={**TINY, "rounds": 1})
-    res = run_simulator(job, tmp_path, n_sites=2, progress=lambda m: None)
-    assert sorted(res["test"]) == ["site-1", "site-2"]
-    assert (tmp_path / "sim" / "site-1" / "pflseg_synth").is_dir()  # made at the site, in its workspace
 
 
 def test_missing_data_location_fails_with_a_clear_message(tmp_path, monkeypatch):
@@ -150,6 +151,8 @@ def test_python_job_py_route_with_simenv(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     res = json.loads((tmp_path / "state" / "server" / "local" / "results.json").read_text())
     assert sorted(res["test"]) == ["site-1", "site-2"]
+    # no data configured: each site made the embedded synthetic default in its own workspace
+    assert sorted(p.parent.name for p in tmp_path.rglob("pflseg_synth")) == ["site-1", "site-2"]
 
 
 @pytest.mark.parametrize("trained", ["fedsm", "fedsm_extra"])
