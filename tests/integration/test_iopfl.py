@@ -15,28 +15,28 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("iopfl")]  # one worker:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return make_synthetic(tmp_path_factory.mktemp("data") / "root", n_sites=4, cases=5, size=32, depth=6)
+    return make_synthetic(tmp_path_factory.mktemp("data") / "root", n_sites=3, cases=5, size=32, depth=6)
 
 
-def run(name, ws, data, sites=3, threads=None, **over):
-    job = export_job(name, ws / "jobs", overrides={**TINY, "min_clients": 3, **over})
+def run(name, ws, data, sites=2, threads=None, **over):
+    job = export_job(name, ws / "jobs", overrides={**TINY, "min_clients": sites, **over})
     return run_simulator(job, ws, n_sites=sites, threads=threads, data=data, progress=lambda m: None)
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, data):
-    """Uninterrupted 2-round run with 3 threads (the reference of the comparison, and the routing bundle)."""
+    """Uninterrupted 2-round run with 2 threads (the reference of the comparison, and the routing bundle)."""
     ws = tmp_path_factory.mktemp("straight")
-    return ws, run("iopfl", ws, data, threads=3, rounds=2)
+    return ws, run("iopfl", ws, data, threads=2, rounds=2)
 
 
-def test_one_thread_resumed_equals_three_threads_uninterrupted(trained, tmp_path, data):
+def test_one_thread_resumed_equals_two_threads_uninterrupted(trained, tmp_path, data):
     ws, straight = trained
-    assert sorted(straight["test"]) == ["site-1", "site-2", "site-3"] and not straight["missing"]
+    assert sorted(straight["test"]) == ["site-1", "site-2"] and not straight["missing"]
     for h in straight["history"]:
-        assert set(h["val_dice"]) == {"site-1", "site-2", "site-3"}
+        assert set(h["val_dice"]) == {"site-1", "site-2"}
     run("iopfl", tmp_path, data, threads=1, rounds=1)
-    resumed = run("iopfl", tmp_path, data, threads=3, rounds=2, resume=True)  # -t 1 before the stop, -t 3 after
+    resumed = run("iopfl", tmp_path, data, threads=2, rounds=2, resume=True)  # -t 1 before the stop, -t 2 after
     assert [h["round"] for h in resumed["history"]] == [0, 1]
     assert resumed["test"] == straight["test"]
     assert_same_states(server_state(ws, "iopfl"), server_state(tmp_path, "iopfl"))
@@ -47,7 +47,7 @@ def test_one_thread_resumed_equals_three_threads_uninterrupted(trained, tmp_path
         assert_same_states(state, b.load(b.latest()))
         assert_same_states(load_file(a.root / "best.pt"), load_file(b.root / "best.pt"))
     bundle_a, bundle_b = load_file(straight["bundle"]), load_file(resumed["bundle"])
-    assert bundle_a["sites"] == ["site-1", "site-2", "site-3"]
+    assert bundle_a["sites"] == ["site-1", "site-2"]
     assert_same_states(bundle_a, bundle_b)
     # the published P_k is the site's best by validation, not the global model
     assert not torch.equal(bundle_a["person.site-1.model.0.conv.unit0.conv.weight"],
@@ -56,14 +56,14 @@ def test_one_thread_resumed_equals_three_threads_uninterrupted(trained, tmp_path
 
 def test_routing_at_an_outside_site_writes_predictions_and_metrics(trained, tmp_path, data):
     ws, _ = trained
-    res = run("iopfl_route", tmp_path, data, sites=4,
+    res = run("iopfl_route", tmp_path, data, sites=3,
               iopfl={"bundle": str(ws / "state" / "server" / "iopfl"), "epochs": 1})
-    assert res["inside_sites"] == ["site-1", "site-2", "site-3"] and res["targets"] == ["site-4"]
-    out = res["route"]["site-4"]
+    assert res["inside_sites"] == ["site-1", "site-2"] and res["targets"] == ["site-3"]
+    out = res["route"]["site-3"]
     assert sorted(out["methods"]) == sorted(["global", "average", "ensemble", "tent", "routing_global", "routing"])
     for m in out["methods"].values():
         assert 0.0 <= m["dice"] <= 1.0 and len(m["per_case"]) == out["n_cases"]
     assert out["seconds_per_sample"] > 0
-    preds = list((tmp_path / "state" / "site-4" / "iopfl_route" / "predictions").glob("*.nii.gz"))
+    preds = list((tmp_path / "state" / "site-3" / "iopfl_route" / "predictions").glob("*.nii.gz"))
     assert len(preds) == out["n_cases"] == 5
 

@@ -102,13 +102,14 @@ def test_job_completes_with_per_site_test_dice(name, tmp_path, data):
 
 @pytest.mark.parametrize("name", ["fedbn", "fedsm", "grace", "lcfed"])
 def test_threads_and_resume_do_not_change_the_models(name, tmp_path, data):
-    """An uninterrupted run with -t 3 against one with -t 1 stopped after round 0 and resumed with -t 3: equal
+    """An uninterrupted run with -t 2 against one with -t 1 stopped after round 0 and resumed with -t 2: equal
     final models (server checkpoint and every site's state) prove thread-count invariance and exact resume at
-    once. (-t 1 only before the stop: with one thread FLARE starts a process per site per task, ~9 s each.)
+    once. (-t 1 only before the stop: with one thread FLARE starts a process per site per task, ~9 s each;
+    FedBN, whose site code path is FedAvg's plus kept norm layers, checks resume only, with -t 2 throughout.)
     GRACE runs with adversarial alignment, whose discriminator is site state carried across the resume;
     LC-Fed's heads (site state) and the server's copies of the coarse heads are carried the same way."""
     over = {"grace": {"align": "adv"}} if name == "grace" else {}
-    straight = run(name, tmp_path / "straight", data, sites=3, threads=3, rounds=2, **over)
+    straight = run(name, tmp_path / "straight", data, sites=2, threads=2, rounds=2, **over)
     assert sorted(straight["test"]) == straight["sites"] and not straight["missing"]
     assert all(0.0 <= straight["test"][s]["site"]["dice"] <= 1.0 for s in straight["sites"])
     if name == "grace":  # the server's consistency weights: every round, in results and TensorBoard
@@ -116,8 +117,8 @@ def test_threads_and_resume_do_not_change_the_models(name, tmp_path, data):
         tb = tmp_path / "straight" / "sim" / "server" / "simulate_job" / "tb_events"
         (server,) = {p.name for p in tb.iterdir()} - set(straight["sites"])
         assert list((tb / server).rglob("events.*"))
-    run(name, tmp_path / "resumed", data, sites=3, threads=1, rounds=1, **over)
-    resumed = run(name, tmp_path / "resumed", data, sites=3, threads=3, rounds=2, resume=True, **over)
+    run(name, tmp_path / "resumed", data, sites=2, threads=2 if name == "fedbn" else 1, rounds=1, **over)
+    resumed = run(name, tmp_path / "resumed", data, sites=2, threads=2, rounds=2, resume=True, **over)
     assert [h["round"] for h in resumed["history"]] == [0, 1]
     assert resumed["test"] == straight["test"]
     assert_same_states(server_state(tmp_path / "straight", name), server_state(tmp_path / "resumed", name))
