@@ -71,8 +71,9 @@ def test_every_job_is_run_by_a_test():
 
 @pytest.mark.parametrize("name", [n for n in job_names() if n not in COVERED_ELSEWHERE])
 def test_job_completes_with_per_site_test_dice(name, tmp_path, data):
-    res = run(name, tmp_path, data)
-    assert res["sites"] == ["site-1", "site-2"] and not res["missing"]
+    sites = [f"site-{i}" for i in range(1, 4 if name == "grace_server" else 3)]  # K = 2 makes GRACE's weights uniform
+    res = run(name, tmp_path, data, sites=len(sites))
+    assert res["sites"] == sites and not res["missing"]
     assert [h["round"] for h in res["history"]] == ([0, 1, 2] if "extra" in name else [0, 1])  # + 1 extra round
     for site in res["sites"]:
         test = res["test"][site]
@@ -93,11 +94,17 @@ def test_job_completes_with_per_site_test_dice(name, tmp_path, data):
     assert (run_dir / "results.json").is_file()  # in the FLARE run dir too (downloaded with the job)
     tb = {p.name for p in (run_dir / "tb_events").iterdir()}  # TensorBoard via FLARE
     if name == "grace_server":  # the server's consistency weights are recorded every round
-        assert all(abs(sum(h["grace_weights"].values()) - 1) < 1e-6 for h in res["history"])
-        (server,) = tb - {"site-1", "site-2"}  # the server's identity ("simulator_server" here)
+        for h in res["history"]:
+            w, sim = list(h["grace_weights"].values()), h["similarity"]
+            assert abs(sum(w) - 1) < 1e-6 and all(0 < x < 1 for x in w)
+            assert max(w) - min(w) > 1e-6  # three different updates: not FedAvg's equal weights
+            c = [sum(row) for row in sim["matrix"]]  # paper's consistency; all sites have the same n_k here
+            assert all(abs(x - ck / sum(c)) < 1e-6 for x, ck in zip(w, c))
+            assert sim["sites"] == sites and all(abs(sim["matrix"][i][i] - 1) < 1e-6 for i in range(len(sites)))
+        (server,) = tb - set(sites)  # the server's identity ("simulator_server" here)
         assert list((run_dir / "tb_events" / server).rglob("events.*"))
     else:
-        assert tb == {"site-1", "site-2"}
+        assert tb == set(sites)
 
 
 @pytest.mark.parametrize("name", ["fedbn", "fedsm", "grace", "lcfed"])
@@ -106,7 +113,8 @@ def test_threads_and_resume_do_not_change_the_models(name, tmp_path, data):
     final models (server checkpoint and every site's state) prove thread-count invariance and exact resume at
     once. (-t 1 only before the stop: with one thread FLARE starts a process per site per task, ~9 s each;
     FedBN, whose site code path is FedAvg's plus kept norm layers, checks resume only, with -t 2 throughout.)
-    GRACE runs with adversarial alignment, whose discriminator is site state carried across the resume;
+    GRACE runs with adversarial alignment, whose discriminator is site state carried across the resume
+    (with K = 2 its consistency weights are uniform; the grace_server run above has K = 3);
     LC-Fed's heads (site state) and the server's copies of the coarse heads are carried the same way."""
     over = {"grace": {"align": "adv"}} if name == "grace" else {}
     straight = run(name, tmp_path / "straight", data, sites=2, threads=2, rounds=2, **over)
