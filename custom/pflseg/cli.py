@@ -104,7 +104,8 @@ def _submit(args) -> int:
 def _run(args) -> int:
     from pflseg.config import parse_set
     from pflseg.eval.tables import dice_table, timing_summary
-    from pflseg.flare.jobs import export_job, run_simulator
+    from pflseg.flare.jobs import export_job
+    from pflseg.deploy.simulator import run_simulator
 
     overrides = parse_set(args.set)
     if args.rounds:
@@ -116,7 +117,7 @@ def _run(args) -> int:
     job_dir = export_job(args.job, workspace / "job", overrides=overrides)
     results = run_simulator(job_dir, workspace, n_sites=args.sites, threads=args.threads, data=args.data)
     if "route" in results:  # IOP-FL routing job: a table of the outside sites
-        from pflseg.eval.iopfl_routing import route_table
+        from pflseg.eval.tables import route_table
 
         print(route_table(results))
         return 0

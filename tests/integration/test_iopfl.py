@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from pflseg.data import make_synthetic
-from pflseg.flare.jobs import export_job, run_simulator
+from pflseg.flare.jobs import export_job
+from pflseg.deploy.simulator import run_simulator
 from pflseg.flare.state import RoundStore, load_file
 
 from tests.integration.test_simulator import TINY, assert_same_states, server_state

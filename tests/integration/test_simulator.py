@@ -11,7 +11,8 @@ import torch
 
 from pflseg.config import job_names
 from pflseg.data import make_synthetic
-from pflseg.flare.jobs import export_job, run_simulator
+from pflseg.flare.jobs import export_job
+from pflseg.deploy.simulator import run_simulator
 from pflseg.flare.state import RoundStore
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from pflseg.deploy.allowlist import add_to_resources
+from pflseg.flare.allowlist import add_to_resources
 from pflseg.deploy.local import LocalFederation
 from pflseg.deploy.provision import free_port, loopback_env
 

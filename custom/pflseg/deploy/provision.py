@@ -4,7 +4,7 @@
 startup kit what a package-mode deployment needs:
 
 - the server's and every site's ``local/resources.json.default`` get pflseg's job classes on their
-  ``class_allow_list`` (``pflseg.deploy.allowlist``), so jobs without custom code can run;
+  ``class_allow_list`` (``pflseg.flare.allowlist``), so jobs without custom code can run;
 - the server's job store and snapshots go to ``storage_root`` (FLARE's kits default to the shared
   ``/tmp/nvflare/jobs-storage``): one folder per deployment.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 from nvflare.lighter.spec import Builder
 
-from pflseg.deploy.allowlist import add_to_resources
+from pflseg.flare.allowlist import add_to_resources
 
 REPO_PROJECT = Path(__file__).resolve().parents[3] / "provisioning" / "project.yml"
 CLIENT_OUTCOME_WAIT_S = 10

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from pflseg.data import make_synthetic
 from pflseg.eval.tables import dice_table
-from pflseg.flare.jobs import export_job, run_simulator
+from pflseg.flare.jobs import export_job
+from pflseg.deploy.simulator import run_simulator
 
 BASELINES = ("local", "fedavg", "fedprox", "fedbn", "centralized")
 

@@ -21,7 +21,8 @@ import torch
 from pflseg.config import load_job_config
 from pflseg.data import make_synthetic
 from pflseg.flare.controllers.fedsm import moment_reference
-from pflseg.flare.jobs import export_job, run_simulator
+from pflseg.flare.jobs import export_job
+from pflseg.deploy.simulator import run_simulator
 from pflseg.nets import build_net
 from pflseg.nets.selector import build_selector, selector_cfg
 

@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from pflseg.data import load_dataset_info, make_synthetic, site_dataset
-from pflseg.flare.jobs import export_job, run_simulator
+from pflseg.flare.jobs import export_job
+from pflseg.deploy.simulator import run_simulator
 from pflseg.flare.state import RoundStore, unprefixed
 from pflseg.nets import build_net
 from pflseg.train import evaluate

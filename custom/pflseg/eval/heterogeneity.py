@@ -21,7 +21,8 @@ import torch
 
 from pflseg.config import load_job_config
 from pflseg.data import load_dataset_info, make_synthetic, site_dataset
-from pflseg.flare.jobs import export_job, run_simulator
+from pflseg.flare.jobs import export_job
+from pflseg.deploy.simulator import run_simulator
 from pflseg.flare.state import RoundStore, load_file, unprefixed
 from pflseg.nets import build_net
 from pflseg.train import evaluate

@@ -21,8 +21,9 @@ import statistics
 from pathlib import Path
 
 from pflseg.data import load_dataset_info, make_synthetic
-from pflseg.eval.iopfl_routing import METHODS
-from pflseg.flare.jobs import export_job, run_simulator
+from pflseg.infer.routing import METHODS
+from pflseg.flare.jobs import export_job
+from pflseg.deploy.simulator import run_simulator
 
 LABELS = {"global": "FedAvg", "average": "Average", "ensemble": "Ensemble", "tent": "Tent",
           "routing_global": "Routing (global)", "routing": "IOP-FL routing"}

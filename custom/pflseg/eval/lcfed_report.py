@@ -25,7 +25,8 @@ import statistics
 from pathlib import Path
 
 from pflseg.data import load_dataset_info, make_synthetic
-from pflseg.flare.jobs import export_job, run_simulator
+from pflseg.flare.jobs import export_job
+from pflseg.deploy.simulator import run_simulator
 
 BACKBONE = {"name": "lcfed", "channels": [16, 32, 64, 128, 256], "strides": [2, 2, 2, 2]}
 #: row -> (job, which model of results.json "test": global or the site's own)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from pflseg.config import GLOBAL_METHODS
+from pflseg.flare.methods import METHODS
+from pflseg.infer.routing import METHODS as ROUTE_METHODS
 
 LABELS = {"local": "Local", "fedavg": "FedAvg", "fedprox": "FedProx", "fedbn": "FedBN", "centralized": "Centralized"}
 
@@ -10,7 +11,7 @@ LABELS = {"local": "Local", "fedavg": "FedAvg", "fedprox": "FedProx", "fedbn": "
 def site_dice(results: dict) -> dict[str, float]:
     """Per-site test Dice of the model the method gives each site: the selected global model for global
     methods, the site's own best-by-validation model otherwise."""
-    key = "global" if results["method"] in GLOBAL_METHODS else "site"
+    key = "site" if METHODS[results["method"]].site.personalized else "global"
     return {site: metrics[key]["dice"] for site, metrics in sorted(results["test"].items())}
 
 
@@ -56,4 +57,15 @@ def infer_table(results: dict) -> str:
         cells = [f"{site['global']['dice']:.4f}", "-" if person is None else f"{person['dice']:.4f}"]
         cells += [f"{site['super'][r]['dice']:.4f}" if r in site["super"] else "-" for r in routes]
         lines.append(f"| {name}{'' if site['inside'] else ' (outside)'} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def route_table(results: dict) -> str:
+    """Markdown: one row per routed site, one column per method (Dice), from the routing job's results.json."""
+    rows = results["route"]
+    methods = [m for m in ROUTE_METHODS if all(m in r["methods"] for r in rows.values())]
+    lines = ["| outside site | " + " | ".join(methods) + " | routing s/sample/epoch |", "|---" * (len(methods) + 2) + "|"]
+    for site, r in sorted(rows.items()):
+        cells = [f"{r['methods'][m]['dice']:.4f}" if r["methods"][m]["dice"] is not None else "-" for m in methods]
+        lines.append(f"| {site} | " + " | ".join(cells) + f" | {r['seconds_per_sample']:.4f} |")
     return "\n".join(lines)

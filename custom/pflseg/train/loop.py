@@ -67,6 +67,28 @@ def derive_seed(*parts) -> int:
     return h % 2**31
 
 
+def build_optimizer(
+    model: nn.Module,
+    device: torch.device,
+    lr: float,
+    state: dict | None = None,
+    extra: list[nn.Parameter] | None = None,
+) -> torch.optim.Adam:
+    """Adam over ``model`` (and ``extra`` parameters as a second group), its state loaded from ``state``.
+
+    The model is moved to ``device`` FIRST: ``Optimizer.load_state_dict`` puts the moments on the device of
+    the parameters as they are at load time, so a model moved afterwards (as the loop does) would leave its
+    moments behind on the CPU and the first step on a GPU would fail. Every optimizer of a site is built
+    here, so parameters and optimizer state always share a device.
+    """
+    model.to(device)
+    groups = [{"params": list(model.parameters())}] + ([{"params": extra}] if extra else [])
+    optimizer = torch.optim.Adam(groups, lr=lr)
+    if state:
+        optimizer.load_state_dict(state)
+    return optimizer
+
+
 def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, seed: int = 0) -> DataLoader:
     gen = torch.Generator().manual_seed(seed)
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=gen, num_workers=0, drop_last=False)

@@ -29,10 +29,12 @@ def test_int_is_accepted_for_float_and_override_wins():
 
 
 def test_bad_method_value():
+    from pflseg.flare.methods import method
+
     cfg = load_job_config("fedavg")
     cfg["method"] = "fedsgd"
     with pytest.raises(ConfigError, match="fedsgd"):
-        check_effective(cfg)
+        method(check_effective(cfg))
 
 
 def test_parse_set_builds_nested_overrides():

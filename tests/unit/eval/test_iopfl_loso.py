@@ -1,6 +1,6 @@
 from pflseg.data import load_dataset_info, make_synthetic, site_dataset
 from pflseg.eval.iopfl_loso import fold_view, to_markdown
-from pflseg.eval.iopfl_routing import route_table
+from pflseg.eval.tables import route_table
 
 
 def test_fold_view_puts_the_held_out_site_last(tmp_path):

@@ -6,7 +6,7 @@ from nvflare.app_common.abstract.fl_model import FLModel
 
 from pflseg.algorithms.fedbn import shared_keys
 from pflseg.config import load_job_config
-from pflseg.flare.controllers import CONTROLLERS
+from pflseg.flare.methods import METHODS
 from pflseg.flare.controllers.base import RoundError, check_update
 from pflseg.flare.state import RoundStore, prefixed, unprefixed
 from pflseg.nets import build_net
@@ -36,7 +36,7 @@ class Stub:
 def make(method, tmp_path, monkeypatch, **over):
     monkeypatch.setenv("PFLSEG_STATE_DIR", str(tmp_path))
     cfg = load_job_config(method, overrides={**TINY, **over})
-    ctrl = CONTROLLERS[method](config=cfg)
+    ctrl = METHODS[method].controller(config=cfg)
     ctrl.cfg = cfg
     ctrl.sites = ["site-1", "site-2", "site-3"]
     ctrl.store = RoundStore(tmp_path / "server")

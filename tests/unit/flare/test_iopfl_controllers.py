@@ -7,7 +7,7 @@ import torch
 from nvflare.apis.signal import Signal
 from nvflare.app_common.abstract.fl_model import FLModel
 
-from pflseg.flare.controllers import CONTROLLERS
+from pflseg.flare.methods import METHODS
 from pflseg.flare.state import load_file, prefixed, save_file, unprefixed
 
 from tests.unit.flare.test_controllers import TINY, Stub, make, scaled
@@ -61,7 +61,7 @@ def routing(tmp_path, monkeypatch, targets):
     save_file(tmp_path / "bundle" / "bundle.pt", {"sites": ["site-1", "site-2"], **prefixed("global", state),
                                                    **prefixed("person.site-1", state), **prefixed("person.site-2", state)})
     cfg = load_job_config("iopfl_route", overrides={**TINY, "iopfl": {"bundle": str(tmp_path / "bundle"), "targets": targets}})
-    ctrl = CONTROLLERS["iopfl_route"](config=cfg)
+    ctrl = METHODS["iopfl_route"].controller(config=cfg)
     ctrl.sample_clients = lambda: ["site-1", "site-2", "site-3"]
     ctrl.get_run_dir = lambda: str(tmp_path / "run")
     ctrl.info = ctrl.warning = ctrl.error = lambda msg: None

@@ -1,6 +1,6 @@
 """Shared machinery of pflseg's server workflows (FLARE ModelController).
 
-A method's controller implements ``round(r)``; this base gives it: the validated job config, one send per
+A method's controller implements ``round(r)``; this base gives it: ``setup()`` (config, sites, restore), the validated job config, one send per
 site with its own payload (``send_each``), update checks (NaN/Inf, shapes), min_clients, round
 checkpoints with resume, best-global tracking on validation Dice, the final validate + test phase and
 ``results.json``. Everything the server keeps between rounds is in the checkpoint, so a stopped job
@@ -10,6 +10,7 @@ resumes from its last completed round.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from nvflare.app_opt.pt.decomposers import TensorDecomposer
 from nvflare.fuel.utils import fobs
 
 from pflseg.config import check_effective
-from pflseg.flare.state import RoundStore, prefixed, state_dir, unprefixed
+from pflseg.flare.state import RoundStore, StateError, prefixed, state_dir, unprefixed
 from pflseg.nets import build_net
 from pflseg.train.loop import seed_everything
 
@@ -58,20 +59,32 @@ class RoundController(ModelController):
         self.task_check_period = task_check_period
 
     # ---- the workflow ---------------------------------------------------------------------------
-    def run(self) -> None:
+    @classmethod
+    def check_config(cls, cfg: dict) -> None:
+        """The method's own config rules (beyond the schema); raise ConfigError naming the key and the fix."""
+
+    def setup(self) -> int | None:
+        """Everything before the first round: validated config, connected sites, state folder, network size,
+        restored checkpoint. Returns the first round to run, or None after a panic (named in the log)."""
         fobs.register(TensorDecomposer)  # messages carry torch tensors end to end
         self.cfg = check_effective(self.config, "server job config")
         self.sites = sorted(self.sample_clients())
         if len(self.sites) < self.cfg["min_clients"]:
             self.panic(f"{len(self.sites)} site(s) connected but min_clients={self.cfg['min_clients']}")
-            return
+            return None
         self.store = RoundStore(state_dir("server", self.cfg["name"]))
         self.missing: dict[str, str] = {}
         try:
+            self.check_config(self.cfg)
             self.size_net()
-            start = self.restore()
+            return self.restore()
         except (ValueError, RuntimeError) as exc:  # bad method settings for this federation, corrupt checkpoint
             self.panic(str(exc))
+            return None
+
+    def run(self) -> None:
+        start = self.setup()
+        if start is None:
             return
         for r in range(start, self.n_rounds()):
             t0 = time.time()
@@ -211,6 +224,9 @@ class RoundController(ModelController):
     def personalize(self, last: int, best: dict) -> None:
         """After training, before the final test (e.g. FT's local fine-tuning of ``best``); default nothing."""
 
+    def after_test(self, results: dict) -> None:
+        """After the final test, before results are written (e.g. IOP-FL's routing bundle); may add entries."""
+
     def finish(self) -> None:
         last = self.n_rounds()
         try:
@@ -220,15 +236,50 @@ class RoundController(ModelController):
             best = prefixed("global", self.best_state) if self.best_state else {}
             self.personalize(last, best)
             tested = self.send_each("test", {s: self.message(last, best) for s in self.sites})
+            results = {
+                "job": self.cfg["name"], "method": self.cfg["method"], "rounds": self.cfg["rounds"], "sites": self.sites,
+                "best_global_round": self.best["round"], "missing": self.missing, "history": self.history,
+                "test": {s: res.metrics["test"] for s, res in tested.items()}, "config": self.cfg, **self.extra_results(),
+            }
+            self.after_test(results)
         except RoundError as exc:
             self.panic(str(exc))
             return
-        results = {
-            "job": self.cfg["name"], "method": self.cfg["method"], "rounds": self.cfg["rounds"], "sites": self.sites,
-            "best_global_round": self.best["round"], "missing": self.missing, "history": self.history,
-            "test": {s: res.metrics["test"] for s, res in tested.items()}, "config": self.cfg, **self.extra_results(),
-        }
+        if not self.abort_signal.triggered:
+            self.write_results(results)
+
+    def write_results(self, results: dict) -> None:
+        """``results.json`` into the server's state folder and FLARE's run folder, each written atomically."""
         text = json.dumps(results, indent=1, sort_keys=True)
         for folder in (self.store.root, Path(self.get_run_dir())):
-            (folder / "results.json").write_text(text)
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = folder / "results.json.tmp"
+            tmp.write_text(text)
+            os.replace(tmp, folder / "results.json")
         self.info(f"results written to {self.store.root / 'results.json'}")
+
+
+class PostTrainingController(RoundController):
+    """A job after training (FedSM inference, IOP-FL test-time routing): read the trained models from a
+    bundle, send them to the sites once, write the sites' answers as ``results.json``. Subclasses implement
+    ``post_training() -> results`` (RoundError and ValueError end the job with the reason in the log)."""
+
+    def setup(self) -> int | None:
+        fobs.register(TensorDecomposer)
+        self.cfg = check_effective(self.config, "server job config")
+        self.sites, self.missing, self.history = sorted(self.sample_clients()), {}, []
+        self.store = RoundStore(state_dir("server", self.cfg["name"]))
+        return 0
+
+    def run(self) -> None:
+        self.setup()
+        try:
+            results = self.post_training()
+        except (RoundError, ValueError, StateError) as exc:
+            self.panic(str(exc))
+            return
+        self.write_results({"job": self.cfg["name"], "method": self.cfg["method"], "sites": self.sites,
+                            "missing": self.missing, "history": [], "config": self.cfg, **results})
+
+    def post_training(self) -> dict:
+        raise NotImplementedError

@@ -14,19 +14,13 @@ moments. See ../shared/reference/ALGORITHMS.md section 1.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
-from nvflare.app_opt.pt.decomposers import TensorDecomposer
-from nvflare.fuel.utils import fobs
 
 from pflseg.algorithms.fedavg import weighted_average
 from pflseg.algorithms.fedsm import average_moments
 from pflseg.algorithms.softpull import check_lam, softpull
-from pflseg.config import check_effective
-from pflseg.flare.controllers.base import RoundController, RoundError
-from pflseg.flare.state import RoundStore, prefixed, state_dir, unprefixed
+from pflseg.flare.controllers.base import PostTrainingController, RoundController
+from pflseg.flare.state import RoundStore, prefixed, unprefixed
 from pflseg.nets.selector import build_selector, selector_cfg
 
 
@@ -121,21 +115,16 @@ class FedSMController(RoundController):
         return {**prefixed("global", self.global_state), **prefixed("person", self.person[site])}
 
 
-class FedSMInferenceController(RoundController):
+class FedSMInferenceController(PostTrainingController):
     """Post-training job: hand the trained super model to every connected site (inside sites and sites that
     never trained) and collect, per site, the test Dice of the global, own personalized (inside sites only)
     and super model for every gamma, with how often each model was chosen."""
 
-    def run(self) -> None:
-        fobs.register(TensorDecomposer)
-        self.cfg = check_effective(self.config, "server job config")
-        self.sites, self.missing, self.history = sorted(self.sample_clients()), {}, []
-        self.store = RoundStore(state_dir("server", self.cfg["name"]))
+    def post_training(self) -> dict:
         bundle = RoundStore(self.cfg["fedsm"]["bundle"])
         if not self.cfg["fedsm"]["bundle"] or bundle.latest() is None:
-            self.panic(f"fedsm.bundle={self.cfg['fedsm']['bundle']!r} holds no FedSM checkpoint (round_NNNN.pt); "
-                       "set it to the trained run's server state folder, e.g. runs/fedsm/state/server/fedsm")
-            return
+            raise ValueError(f"fedsm.bundle={self.cfg['fedsm']['bundle']!r} holds no FedSM checkpoint (round_NNNN.pt); "
+                             "set it to the trained run's server state folder, e.g. runs/fedsm/state/server/fedsm")
         ckpt = bundle.load(bundle.latest())
         inside = sorted({k.split(".")[1] for k in ckpt if k.startswith("person.")})
         chosen = "bestperson" if any(k.startswith("bestperson.") for k in ckpt) else "person"
@@ -143,16 +132,6 @@ class FedSMInferenceController(RoundController):
         best = unprefixed("best", ckpt) or unprefixed("global", ckpt)
         payload = {**prefixed("global", best), **person, **prefixed("select", unprefixed("select", ckpt))}
         self.info(f"super model from {bundle.path(bundle.latest())}: inside sites {inside}; sending to {self.sites}")
-        try:
-            res = self.send_each("infer", {s: self.message(0, payload, inside_sites=inside) for s in self.sites})
-        except RoundError as exc:
-            self.panic(str(exc))
-            return
-        results = {"job": self.cfg["name"], "method": self.cfg["method"], "sites": self.sites, "inside_sites": inside,
-                   "bundle": str(bundle.path(bundle.latest())), "missing": self.missing, "history": [],
-                   "infer": {s: r.metrics["infer"] for s, r in res.items()}, "config": self.cfg}
-        text = json.dumps(results, indent=1, sort_keys=True)
-        for folder in (self.store.root, Path(self.get_run_dir())):
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / "results.json").write_text(text)
-        self.info(f"results written to {self.store.root / 'results.json'}")
+        res = self.send_each("infer", {s: self.message(0, payload, inside_sites=inside) for s in self.sites})
+        return {"inside_sites": inside, "bundle": str(bundle.path(bundle.latest())),
+                "infer": {s: r.metrics["infer"] for s, r in res.items()}}

@@ -1,7 +1,7 @@
 """IOP-FL workflows (Jiang et al., IEEE TMI 2023; ALGORITHMS.md section 3).
 
 ``IOPFLController`` (job ``iopfl``): FedAvg over the full state; each site keeps its local adapted model
-P_k on its own disk (``pflseg.flare.iopfl_site``). After the final test, when ``iopfl.publish`` is true,
+P_k on its own disk (``pflseg.flare.sites.iopfl``). After the final test, when ``iopfl.publish`` is true,
 every site submits its best P_k and the server writes the routing bundle ``bundle.pt`` into its state
 folder: {"sites", "global.*" (the best global model by validation), "person.<site>.*"}. Publishing shares
 the personalized models beyond the federation; the job config says so.
@@ -13,84 +13,49 @@ inside site is refused) and collects each site's routing and comparator Dice int
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from nvflare.app_opt.pt.decomposers import TensorDecomposer
-from nvflare.fuel.utils import fobs
-
-from pflseg.config import check_effective
-from pflseg.flare.controllers.base import RoundController, RoundError
+from pflseg.flare.controllers.base import PostTrainingController
 from pflseg.flare.controllers.fedavg import FedAvgController
-from pflseg.flare.state import RoundStore, StateError, load_file, prefixed, save_file, state_dir, unprefixed
+from pflseg.flare.state import load_file, prefixed, save_file, unprefixed
 
 BUNDLE = "bundle.pt"
 
 
 class IOPFLController(FedAvgController):
-    def finish(self) -> None:
-        super().finish()
+    def after_test(self, results: dict) -> None:
+        """With ``iopfl.publish``: every site submits its best P_k; the server writes the routing bundle."""
         if not self.cfg["iopfl"]["publish"] or self.abort_signal.triggered:
             return
-        last = self.n_rounds()
-        try:
-            subs = self.send_each("submit_model", {s: self.message(last) for s in self.sites},
-                                  reference=prefixed("site", self.global_state))
-        except RoundError as exc:
-            self.panic(str(exc))
-            return
+        subs = self.send_each("submit_model", {s: self.message(self.n_rounds()) for s in self.sites},
+                              reference=prefixed("site", self.global_state))
         bundle = {"sites": sorted(subs), "person_round": {s: int(res.meta["round"]) for s, res in subs.items()},
                   **prefixed("global", self.best_state or self.global_state)}
         for site, res in subs.items():
             bundle.update(prefixed(f"person.{site}", unprefixed("site", res.params)))
         path = self.store.root / BUNDLE
         save_file(path, bundle)
-        for folder in (self.store.root, Path(self.get_run_dir())):
-            results_path = folder / "results.json"
-            if results_path.is_file():
-                results = json.loads(results_path.read_text())
-                results.update({"bundle": str(path), "person_round": bundle["person_round"]})
-                results_path.write_text(json.dumps(results, indent=1, sort_keys=True))
+        results.update({"bundle": str(path), "person_round": bundle["person_round"]})
         self.info(f"routing bundle (global + P_k of {bundle['sites']}) written to {path}")
 
 
-class IOPFLRoutingController(RoundController):
-    def run(self) -> None:
-        fobs.register(TensorDecomposer)
-        self.cfg = check_effective(self.config, "server job config")
-        self.sites, self.missing, self.history = sorted(self.sample_clients()), {}, []
-        self.store = RoundStore(state_dir("server", self.cfg["name"]))
+class IOPFLRoutingController(PostTrainingController):
+    def post_training(self) -> dict:
         iopfl = self.cfg["iopfl"]
         path = Path(iopfl["bundle"]) / BUNDLE
         if not iopfl["bundle"] or not path.is_file():
-            self.panic(f"iopfl.bundle={iopfl['bundle']!r} holds no {BUNDLE}; set it to the trained IOP-FL run's server "
-                       "state folder (e.g. runs/iopfl/state/server/iopfl), trained with iopfl.publish: true")
-            return
-        try:
-            bundle = load_file(path)
-        except StateError as exc:
-            self.panic(str(exc))
-            return
+            raise ValueError(f"iopfl.bundle={iopfl['bundle']!r} holds no {BUNDLE}; set it to the trained IOP-FL run's server "
+                             "state folder (e.g. runs/iopfl/state/server/iopfl), trained with iopfl.publish: true")
+        bundle = load_file(path)
         inside = list(bundle["sites"])
         targets = list(iopfl["targets"]) or [s for s in self.sites if s not in inside]
         problems = [f"{t} is an inside site (trained in the federation)" for t in targets if t in inside]
         problems += [f"{t} is not connected (connected: {self.sites})" for t in targets if t not in inside and t not in self.sites]
         if problems or not targets:
-            self.panic("iopfl.targets: " + ("; ".join(problems) or f"no outside site connected (inside: {inside})")
-                       + ". Test-time routing runs at outside sites only: list those in iopfl.targets")
-            return
+            raise ValueError("iopfl.targets: " + ("; ".join(problems) or f"no outside site connected (inside: {inside})")
+                             + ". Test-time routing runs at outside sites only: list those in iopfl.targets")
         payload = {k: v for k, v in bundle.items() if k.startswith(("global.", "person."))}
         self.info(f"routing bundle {path}: experts P_k of {inside} + global; sending to {targets}")
-        try:
-            res = self.send_each("route", {t: self.message(0, payload, inside_sites=inside) for t in targets})
-        except RoundError as exc:
-            self.panic(str(exc))
-            return
-        results = {"job": self.cfg["name"], "method": self.cfg["method"], "sites": self.sites, "inside_sites": inside,
-                   "targets": targets, "bundle": str(path), "missing": self.missing, "history": [],
-                   "route": {s: r.metrics["route"] for s, r in res.items()}, "config": self.cfg}
-        text = json.dumps(results, indent=1, sort_keys=True)
-        for folder in (self.store.root, Path(self.get_run_dir())):
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / "results.json").write_text(text)
-        self.info(f"results written to {self.store.root / 'results.json'}")
+        res = self.send_each("route", {t: self.message(0, payload, inside_sites=inside) for t in targets})
+        return {"inside_sites": inside, "targets": targets, "bundle": str(path),
+                "route": {s: r.metrics["route"] for s, r in res.items()}}

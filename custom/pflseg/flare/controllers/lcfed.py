@@ -13,6 +13,7 @@ model on its validation split.
 from __future__ import annotations
 
 from pflseg.algorithms.lcfed import average_shared
+from pflseg.config import ConfigError
 from pflseg.flare.controllers.fedavg import FedAvgController
 from pflseg.flare.state import prefixed, unprefixed
 from pflseg.nets import build_net
@@ -24,8 +25,13 @@ def nbytes(state: dict) -> int:
 
 
 class LCFedController(FedAvgController):
+    @classmethod
+    def check_config(cls, cfg: dict) -> None:
+        if cfg["net"]["name"] != "lcfed":
+            raise ConfigError(f"method {cfg['method']} needs net.name: lcfed (personal heads), got {cfg['net']['name']!r}")
+
     def hc(self) -> bool:
-        return self.cfg["method"] == "lcfed" and self.cfg["lcfed"]["hc"]
+        return self.cfg["lcfed"]["hc"]
 
     def shared_keys(self) -> list[str]:
         return shared_keys(build_net(self.cfg["net"]))
@@ -80,3 +86,16 @@ class LCFedController(FedAvgController):
 
     def final_params(self, site: str) -> dict:
         return {**prefixed("global", {k: self.global_state[k] for k in self.shared_keys()}), **self.others_heads(site)}
+
+
+class FedRepController(LCFedController):
+    """FedRep: the same workflow without HC (no head leaves a site)."""
+
+    @classmethod
+    def check_config(cls, cfg: dict) -> None:
+        super().check_config(cfg)
+        if cfg["lcfed"]["head_first_iters"] < 1:
+            raise ConfigError("fedrep trains the head first: set lcfed.head_first_iters >= 1")
+
+    def hc(self) -> bool:
+        return False

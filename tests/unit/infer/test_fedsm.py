@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from pflseg.eval.fedsm_inference import evaluate_super_model
+from pflseg.infer.fedsm import evaluate_super_model
 from pflseg.train.evaluate import evaluate
 
 CPU = torch.device("cpu")

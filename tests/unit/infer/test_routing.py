@@ -1,6 +1,6 @@
 import torch
 
-from pflseg.eval.iopfl_routing import METHODS, route_site
+from pflseg.infer.routing import METHODS, route_site
 from pflseg.nets import build_net
 
 NET = {"channels": [4, 8], "strides": [2], "num_res_units": 0}

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from pflseg.data import DataError, make_synthetic
-from pflseg.flare.site import resolve_data, site_settings
+from pflseg.flare.settings import resolve_data, site_settings
 
 DATA_CFG = {"synth_task": "prostate", "synth_sites": 3, "synth_seed": 0, "size": 32, "foreground_only": False}
 

@@ -13,7 +13,7 @@ images, :func:`route_site` runs, on all of them, unlabeled:
 The adaptive ones (tent, routing_global, routing) run ``iopfl.epochs`` epochs of Adam through the
 project's one training loop (``Hooks.step``) and keep, per sample, the prediction made at its lowest
 unsupervised loss (``pflseg.algorithms.routing``). Labels, where present, only score. Per-case Dice and
-the predictions' files (NIfTI per volume, PNG per 2D image) reuse ``pflseg.eval.fedsm_inference``.
+the predictions' files (NIfTI per volume, PNG per 2D image) reuse ``pflseg.infer.fedsm``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pflseg.algorithms.routing import (
     unsupervised_loss,
     use_batch_stats,
 )
-from pflseg.eval.fedsm_inference import _case_dice, _case_names, _write_predictions
+from pflseg.train.predictions import case_dice, case_names, write_predictions
 from pflseg.train.loop import Hooks, make_loader, seed_everything, train_epochs
 
 METHODS = ("global", "average", "ensemble", "tent", "routing_global", "routing")
@@ -149,25 +149,14 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
         by_case[s["case"]].append(s)
     for items in by_case.values():
         items.sort(key=lambda s: s["slice"])
-    names = _case_names(list(by_case))
+    names = case_names(list(by_case))
     result = {"n_images": len(samples), "n_cases": len(by_case), "methods": {}, "predictions": None,
               "seconds_per_sample": seconds["routing"] / (len(samples) * cfg["epochs"])}
     if tent_note:
         result["tent_note"] = tent_note
     for name in methods:
-        result["methods"][name] = {**_case_dice(by_case, names, lambda s, n=name: n), "seconds": seconds[name]}
+        result["methods"][name] = {**case_dice(by_case, names, lambda s, n=name: n), "seconds": seconds[name]}
     if out_dir is not None:
-        _write_predictions(by_case, names, "routing", Path(out_dir), label_encoding)
+        write_predictions(by_case, names, "routing", Path(out_dir), label_encoding)
         result["predictions"] = str(out_dir)
     return result
-
-
-def route_table(results: dict) -> str:
-    """Markdown: one row per routed site, one column per method (Dice), from the routing job's results.json."""
-    rows = results["route"]
-    methods = [m for m in METHODS if all(m in r["methods"] for r in rows.values())]
-    lines = ["| outside site | " + " | ".join(methods) + " | routing s/sample/epoch |", "|---" * (len(methods) + 2) + "|"]
-    for site, r in sorted(rows.items()):
-        cells = [f"{r['methods'][m]['dice']:.4f}" if r["methods"][m]["dice"] is not None else "-" for m in methods]
-        lines.append(f"| {site} | " + " | ".join(cells) + f" | {r['seconds_per_sample']:.4f} |")
-    return "\n".join(lines)

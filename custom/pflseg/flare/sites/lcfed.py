@@ -1,4 +1,4 @@
-"""LC-Fed and FedRep, the site's side (a ``Site`` subclass; ALGORITHMS.md section 4).
+"""LC-Fed and FedRep, the site's side (ALGORITHMS.md section 4).
 
 Every round the site merges the shared part it receives with its own heads (coarse head and HC head,
 kept in its round state on disk), scores that model on its validation split, trains it with
@@ -17,30 +17,31 @@ from __future__ import annotations
 import time
 
 import torch
-from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+from nvflare.app_common.abstract.fl_model import FLModel
 
 from pflseg.algorithms.lcfed import SitePredictor, lcfed_step, set_phase
-from pflseg.flare.client import Site, _cpu
+from pflseg.flare.sites.base import Site, cpu_state
 from pflseg.flare.state import load_file, prefixed, save_file, unprefixed
 from pflseg.nets.lcfed import shared_keys
-from pflseg.train import Hooks, derive_seed, evaluate, seed_everything
-
-
-def step_config(cfg: dict) -> dict:
-    """The step's settings for this job: FedRep has neither HC nor site contrast."""
-    lc, lcfed = cfg["lcfed"], cfg["method"] == "lcfed"
-    return {"lam": lc["lam"] if lcfed else 0.0, "hc": lcfed and lc["hc"], "nms_window": lc["nms_window"],
-            "nms_threshold": lc["nms_threshold"], "gauss_size": lc["gauss_size"], "gauss_sigma": lc["gauss_sigma"] or None}
+from pflseg.train import Hooks
 
 
 class LCFedSite(Site):
+    #: PCS site contrast and head calibration (FedRep: neither)
+    calibrated = True
+
     def __init__(self, name: str, cfg: dict, sites: list[str]):
         super().__init__(name, cfg, sites)
-        self.k, self.step_cfg = sorted(sites).index(name), step_config(cfg)
+        self.k = sorted(sites).index(name)
+        self.net.site = self.k  # PCS uses this site's embedding
+        self.step_cfg = self.step_config()
         self.shared = shared_keys(self.net)
 
-    def tasks(self) -> dict:
-        return {**super().tasks(), "train": self.train, "validate": self.validate, "test": self.test}
+    def step_config(self) -> dict:
+        """The step's settings for this job."""
+        lc, on = self.cfg["lcfed"], self.calibrated
+        return {"lam": lc["lam"] if on else 0.0, "hc": on and lc["hc"], "nms_window": lc["nms_window"],
+                "nms_threshold": lc["nms_threshold"], "gauss_size": lc["gauss_size"], "gauss_sigma": lc["gauss_sigma"] or None}
 
     def previous(self, r: int) -> dict:
         """The site's latest round state before round ``r`` (a round it was left out of is skipped)."""
@@ -63,10 +64,10 @@ class LCFedSite(Site):
         return SitePredictor(self.net, self.k, list(heads.values()), self.step_cfg)
 
     def track(self, heads: dict, r: int) -> dict:
-        metrics = evaluate(self.predictor(heads), self.data("validation"), self.device, self.cfg["train"]["eval_batch_size"])
+        metrics = self.evaluate(self.predictor(heads))
         best = load_file(self.best_path) if self.best_path.is_file() else None
         if best is None or metrics["dice"] > best["score"]:
-            kept = {"round": r, "score": metrics["dice"], **prefixed("model", _cpu(self.net))}
+            kept = {"round": r, "score": metrics["dice"], **prefixed("model", cpu_state(self.net))}
             for site, head in heads.items():
                 kept.update(prefixed(f"heads.{site}", head))
             save_file(self.best_path, kept)
@@ -86,45 +87,45 @@ class LCFedSite(Site):
         return Hooks(step=step)
 
     def train(self, msg: FLModel) -> FLModel:
-        r, cfg = msg.current_round, self.cfg
-        if r == 0 and not cfg["resume"]:
-            self.store.clear()
-            self.best_path.unlink(missing_ok=True)
-        seed = derive_seed(cfg["seed"], self.name, r)
-        seed_everything(seed)
+        r = msg.current_round
+        seed, _ = self.begin_round(r)
         prev = self.previous(r)
         model, heads = self.model_now(msg, prev)
         val = self.track(heads, r)  # the received shared part with the site's heads is a candidate too
         t0 = time.time()
         try:
-            stats, optim = self._fit(model, "model", prev, seed, self.schedule(heads))
+            stats, optim = self.fit(model, "model", prev, seed, self.schedule(heads))
         finally:
             set_phase(model, "all")
         train_s = time.time() - t0
-        trained = _cpu(model)
+        trained = cpu_state(model)
         self.store.save(r, {"round": r, "optim.model": optim, **prefixed("model", trained)})
         params = prefixed("global", {k: trained[k] for k in self.shared})
         if self.step_cfg["hc"]:
-            params.update(prefixed("head", _cpu(model.head)))
+            params.update(prefixed("head", cpu_state(model.head)))
         after = self.track(heads, r)  # the personalized model: after local training
         metrics = {"val_dice": val["dice"], "val_dice_local": after["dice"], "train_loss": stats["loss"],
                    "train_seconds": train_s, "n_samples": stats["samples"]}
-        return FLModel(params=params, params_type=ParamsType.FULL, metrics=metrics,
-                       meta={"NUM_STEPS_CURRENT_ROUND": stats["samples"], "site": self.name})
+        return self.reply(params, metrics, stats["samples"])
 
     def validate(self, msg: FLModel) -> FLModel:
         _, heads = self.model_now(msg, self.previous(msg.current_round))
-        return FLModel(params={}, metrics={"val_dice": self.track(heads, msg.current_round)["dice"]}, meta={"site": self.name})
+        return self.reply({}, {"val_dice": self.track(heads, msg.current_round)["dice"]})
 
     def test(self, msg: FLModel) -> FLModel:
         """The site's best model by validation (with the other sites' heads it was chosen with) on its test
         split; with HC also its coarse head alone (``site_coarse``)."""
-        data, bs = self.data("testing"), self.cfg["train"]["eval_batch_size"]
         best = load_file(self.best_path)
         self.net.load_state_dict(unprefixed("model", best))
         heads = {s: unprefixed(f"heads.{s}", best) for s in self.sites if unprefixed(f"heads.{s}", best)}
-        metrics = {"site": {**evaluate(self.predictor(heads), data, self.device, bs, surface=True),
+        metrics = {"site": {**self.evaluate(self.predictor(heads), "testing", surface=True),
                             "selected_round": best["round"]}}
         if self.step_cfg["hc"]:
-            metrics["site_coarse"] = evaluate(self.net, data, self.device, bs, surface=True)
-        return FLModel(params={}, metrics={"test": metrics}, meta={"site": self.name})
+            metrics["site_coarse"] = self.evaluate(self.net, "testing", surface=True)
+        return self.reply({}, {"test": metrics})
+
+
+class FedRepSite(LCFedSite):
+    """FedRep: LC-Fed's workflow without PCS site contrast and head calibration (shared body, personal head)."""
+
+    calibrated = False

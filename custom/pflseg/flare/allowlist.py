@@ -20,10 +20,10 @@ def _path(cls) -> str:
 
 def pflseg_classes() -> list[str]:
     """Every pflseg class a job can name (controllers of all methods, the site executor)."""
-    from pflseg.flare.controllers import CONTROLLERS
     from pflseg.flare.executor import SiteExecutor
+    from pflseg.flare.methods import METHODS
 
-    return sorted({_path(c) for c in CONTROLLERS.values()} | {_path(SiteExecutor)})
+    return sorted({_path(m.controller) for m in METHODS.values()} | {_path(SiteExecutor)})
 
 
 def allow_list() -> list[str]:

@@ -23,7 +23,6 @@ rim, 2 = cup); for ``exclusive`` it is c + 1 of the highest positive channel c (
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,7 +33,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from pflseg.algorithms.fedsm import GLOBAL, route, route_extra
-from pflseg.train.evaluate import dice_scores
+from pflseg.train.predictions import case_dice, case_names, write_predictions
 from pflseg.train.loop import make_loader
 
 #: Key of the FedSM-extra route in the result's ``"super"`` dict.
@@ -152,21 +151,21 @@ def evaluate_super_model(
     for items in by_case.values():
         items.sort(key=lambda s: s["slice"])
 
-    names = _case_names(list(by_case))
+    names = case_names(list(by_case))
     result = {
         "n_images": len(samples),
         "n_cases": len(by_case),
-        "global": _case_dice(by_case, names, lambda s: _G),
-        "personalized": None if own_index is None else _case_dice(by_case, names, lambda s: own_index),
+        "global": case_dice(by_case, names, lambda s: _G),
+        "personalized": None if own_index is None else case_dice(by_case, names, lambda s: own_index),
         "super": {},
         "predictions": None,
     }
     for r in routes:
-        entry = _case_dice(by_case, names, lambda s, r=r: s["choice"][r])
+        entry = case_dice(by_case, names, lambda s, r=r: s["choice"][r])
         entry["selection"] = _selection(samples, r, num_sites)
         result["super"][r] = entry
     if out_dir is not None:
-        _write_predictions(by_case, names, save_route, Path(out_dir), label_encoding)
+        write_predictions(by_case, names, save_route, Path(out_dir), label_encoding)
         result["predictions"] = str(out_dir)
     return result
 
@@ -196,27 +195,6 @@ def _route_batch(logits: torch.Tensor, route_keys: Sequence[str], num_sites: int
     return {r: route(probs, float(r)) for r in route_keys}
 
 
-def _case_dice(by_case: dict, names: dict, pick) -> dict:
-    """Per-case Dice of the prediction ``pick(sample)`` (a model key) over the labelled slices;
-    ``per_case`` is keyed by the case's file name (``names``)."""
-    per_case = {}
-    for case, items in by_case.items():
-        labelled = [s for s in items if s["has_label"]]
-        if not labelled:
-            continue
-        pred = torch.stack([s["preds"][pick(s)] for s in labelled], dim=-1)
-        label = torch.stack([s["label"] for s in labelled], dim=-1)
-        per_case[case] = dice_scores(pred, label)
-    if not per_case:
-        return {"dice": None, "dice_per_class": None, "per_case": {}}
-    scores = torch.stack(list(per_case.values()))
-    return {
-        "dice": float(scores.mean()),
-        "dice_per_class": [float(x) for x in scores.mean(0)],
-        "per_case": {names[c]: [float(x) for x in v] for c, v in sorted(per_case.items())},
-    }
-
-
 def _selection(samples: list[dict], route_key: str, num_sites: int) -> list[float]:
     """Fractions of samples routed to [global, personalized 0, ..., personalized K-1]."""
     counts = [0] * (num_sites + 1)
@@ -231,58 +209,3 @@ def _as_bools(values, n: int) -> list[bool]:
     if torch.is_tensor(values):
         return [bool(v) for v in values.tolist()]
     return [bool(v) for v in values]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Writing predictions
-# ---------------------------------------------------------------------------------------------------
-
-
-def _case_names(cases: Sequence[tuple[str, str]]) -> dict[tuple[str, str], str]:
-    """File-safe, unique names: the sanitised case id; ``<site>_<case>`` when the id repeats across
-    sites; a ``-<n>`` suffix if sanitising still collides."""
-    counts = defaultdict(int)
-    for _, case in cases:
-        counts[case] += 1
-    names, used = {}, set()
-    for site, case in sorted(cases):
-        base = _safe(case if counts[case] == 1 or not site else f"{site}_{case}")
-        name, n = base, 1
-        while name in used:
-            n += 1
-            name = f"{base}-{n}"
-        used.add(name)
-        names[(site, case)] = name
-    return names
-
-
-def _safe(text: str) -> str:
-    """Characters outside [A-Za-z0-9._-] -> '_'; no leading dot; never empty."""
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", text).lstrip(".")
-    return name or "case"
-
-
-def _label_map(pred: torch.Tensor, encoding: str) -> np.ndarray:
-    """Binary channels (C, ...) -> uint8 class map (...): nested = channel sum, exclusive = c + 1 of the
-    highest positive channel."""
-    p = pred.to(torch.uint8)
-    if encoding == "nested":
-        out = p.sum(0)
-    else:
-        weights = torch.arange(1, p.shape[0] + 1, dtype=torch.uint8).view(-1, *([1] * (p.ndim - 1)))
-        out = (p * weights).amax(0)
-    return out.numpy().astype(np.uint8)
-
-
-def _write_predictions(by_case: dict, names: dict, route_key: str, out_dir: Path, encoding: str) -> None:
-    import nibabel as nib
-    from PIL import Image
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for case, items in by_case.items():
-        preds = [s["preds"][s["choice"][route_key]] for s in items]
-        if len(preds) == 1:
-            Image.fromarray(_label_map(preds[0], encoding)).save(out_dir / f"{names[case]}.png")
-        else:
-            volume = _label_map(torch.stack(preds, dim=-1), encoding)  # (H, W, D)
-            nib.save(nib.Nifti1Image(volume, np.eye(4)), str(out_dir / f"{names[case]}.nii.gz"))

@@ -1,0 +1,206 @@
+"""The site side of every pflseg job: ``Site`` holds what all methods share, a method's site class
+(``pflseg.flare.sites.<method>``) overrides a few hooks and adds its own tasks.
+
+The round skeleton (``Site.train``)::
+
+    seed, prev = begin_round(r)                # seed from (seed, site, r); previous round's state from disk
+    model      = model_for_round(params, r)    # the method's model for this site now
+    before     = score_before(model, r)        # validation Dice of what the site received
+    hooks      = round_hooks(model, prev)      # the method's plug-ins to the one training loop
+    fit(...)                                   # the one loop (pflseg.train.train_epochs)
+    save state; after = score_after(model, r); reply(upload(trained), metrics)
+
+The job's configuration arrives from the server (``meta["pflseg"]``); the site's data, device and state
+folder come from its own local settings (``pflseg.flare.settings``). Everything kept between rounds is on
+disk (``pflseg.flare.state``), so results do not depend on the simulator's thread count.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+
+from pflseg.data import DataError, load_dataset_info, pooled_dataset, site_dataset
+from pflseg.flare.settings import resolve_data, site_settings
+from pflseg.flare.state import RoundStore, load_file, prefixed, save_file, state_dir, unprefixed
+from pflseg.nets import build_net
+from pflseg.train import Hooks, build_loss, build_optimizer, derive_seed, evaluate, make_loader, pick_device, seed_everything, train_epochs
+
+
+def cpu_state(model: torch.nn.Module) -> dict:
+    """A detached CPU copy of ``model``'s state (what is saved and sent)."""
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+class Site:
+    """One site's side of a pflseg job: data, model and state on disk.
+
+    Attributes:
+        personalized: True when the site's model is its own (tables report the site's best model);
+            False when it is the server's global model.
+    """
+
+    personalized = True
+
+    def __init__(self, name: str, cfg: dict, sites: list[str]):
+        self.name, self.cfg, self.sites = name, cfg, sites
+        self.settings = site_settings(name)
+        self.device = pick_device(self.settings["device"])
+        if self.settings["threads"]:
+            torch.set_num_threads(self.settings["threads"])
+        self.pool_sites = self.pooled_sites()
+        self.root, self.data_site = resolve_data(name, self.settings, cfg["data"], sites=self.pool_sites)
+        info = load_dataset_info(self.root)
+        if len(info["classes"]) != cfg["net"]["out_channels"] or info["in_channels"] != cfg["net"]["in_channels"]:
+            raise DataError(
+                f"site {name}: data {self.root} has {info['in_channels']} image channel(s) and classes {info['classes']}, "
+                f"but the job's network takes net.in_channels={cfg['net']['in_channels']} and predicts "
+                f"net.out_channels={cfg['net']['out_channels']}; use a job config made for this data"
+            )
+        self.store = RoundStore(state_dir(name, cfg["name"], self.settings["state_dir"]))
+        self.best_path = self.store.root / "best.pt"
+        self.net = build_net(cfg["net"])
+        self._data: dict = {}
+
+    def pooled_sites(self) -> list[str] | None:
+        """Sites whose training data this site pools (Centralized); None: its own data only."""
+        return None
+
+    # ---- data -----------------------------------------------------------------------------------
+    def data(self, split: str):
+        if split not in self._data:
+            size, fg = self.cfg["data"]["size"], self.cfg["data"]["foreground_only"] and split == "training"
+            if self.pool_sites and split in ("training", "validation"):
+                self._data[split] = pooled_dataset(self.root, self.pool_sites, split, size=size, foreground_only=fg)
+            else:
+                self._data[split] = site_dataset(self.root, self.data_site, split, size=size, foreground_only=fg)
+            if len(self._data[split]) == 0:
+                raise DataError(f"site {self.name}: split '{split}' of {self.root / self.data_site} is empty; "
+                                f"re-split the data set so every site has {split} cases")
+        return self._data[split]
+
+    def evaluate(self, model, split: str = "validation", surface: bool = False) -> dict:
+        return evaluate(model, self.data(split), self.device, self.cfg["train"]["eval_batch_size"], surface=surface)
+
+    # ---- tasks ----------------------------------------------------------------------------------
+    def tasks(self) -> dict:
+        """Task name -> handler: the tasks this method's sites answer."""
+        return {"train": self.train, "validate": self.validate, "test": self.test}
+
+    # ---- the round skeleton ---------------------------------------------------------------------
+    def begin_round(self, r: int) -> tuple[int, dict]:
+        """Round ``r`` starts: a fresh job clears old state at round 0; seed everything; the previous round's state."""
+        if r == 0 and not self.cfg["resume"]:
+            self.store.clear()
+            self.best_path.unlink(missing_ok=True)
+        seed = derive_seed(self.cfg["seed"], self.name, r)
+        seed_everything(seed)
+        return seed, self.store.load(r - 1) if r > 0 and r - 1 in self.store.rounds() else {}
+
+    def own_state(self, round_num: int) -> dict | None:
+        """The site's own model after round ``round_num`` (None before its first round)."""
+        if round_num < 0:
+            return None
+        return unprefixed("model", self.store.load(round_num)) if round_num in self.store.rounds() else None
+
+    def require_own(self, round_num: int) -> dict | None:
+        """``own_state(round_num - 1)``, an error when a later round finds none (state removed, moved site)."""
+        own = self.own_state(round_num - 1)
+        if round_num > 0 and own is None:
+            raise RuntimeError(
+                f"site {self.name}: no state for round {round_num - 1} in {self.store.root}; "
+                "the site state was removed or the job was resumed at another site"
+            )
+        return own
+
+    def model_for_round(self, received: dict, round_num: int) -> torch.nn.Module:
+        """The method's model for this site now; default: the received global model."""
+        self.net.load_state_dict({**self.net.state_dict(), **unprefixed("global", received)})
+        return self.net
+
+    def track(self, model, round_num: int) -> dict:
+        """Validation metrics of ``model``; it becomes the site's best model (``best.pt``) if it scores higher."""
+        metrics = self.evaluate(model)
+        best = load_file(self.best_path) if self.best_path.is_file() else None
+        if best is None or metrics["dice"] > best["score"]:
+            save_file(self.best_path, {"round": round_num, "score": metrics["dice"], **prefixed("model", cpu_state(model))})
+        return metrics
+
+    def score_before(self, model, round_num: int) -> dict:
+        """Before local training: the received model is a candidate for the site's best."""
+        return self.track(model, round_num)
+
+    def score_after(self, model, round_num: int) -> dict:
+        """After local training: scored only."""
+        return self.evaluate(model)
+
+    def round_hooks(self, model, prev: dict) -> tuple[Hooks | None, torch.nn.Module | None]:
+        """The method's plug-ins to the loop, and a module trained alongside (kept in the site state)."""
+        return None, None
+
+    def upload(self, trained: dict) -> dict:
+        """What the site sends after training; default: the whole trained model as the global update."""
+        return prefixed("global", trained)
+
+    def fit(self, model, name: str, prev: dict, seed: int, hooks: Hooks | None = None, lr: float | None = None,
+            loss=None, batch_size: int | None = None, extra: torch.nn.Module | None = None,
+            epochs: int | None = None) -> tuple[dict, dict]:
+        """Train ``model`` with the one loop; Adam state ``optim.<name>`` carried over from ``prev``; ``extra``
+        (e.g. GRACE's domain discriminator) trains in a second parameter group. Returns (loop stats, optimizer state)."""
+        cfg = self.cfg["train"]
+        state = prev.get(f"optim.{name}") if cfg["keep_optimizer_state"] else None
+        if extra is not None:
+            extra.to(self.device)
+        optimizer = build_optimizer(model, self.device, lr or cfg["lr"], state,
+                                    extra=list(extra.parameters()) if extra is not None else None)
+        loader = make_loader(self.data("training"), batch_size or cfg["batch_size"], shuffle=True, seed=seed)
+        stats = train_epochs(model, loader, optimizer, loss or build_loss(cfg["loss"]), epochs or cfg["epochs"], self.device, hooks)
+        return stats, optimizer.state_dict()
+
+    def reply(self, params: dict, metrics: dict, n_samples: int | None = None, **meta) -> FLModel:
+        meta = {**meta, "site": self.name}
+        if n_samples is not None:
+            meta["NUM_STEPS_CURRENT_ROUND"] = n_samples
+            return FLModel(params=params, params_type=ParamsType.FULL, metrics=metrics, meta=meta)
+        return FLModel(params=params, metrics=metrics, meta=meta)
+
+    def train(self, msg: FLModel) -> FLModel:
+        r = msg.current_round
+        seed, prev = self.begin_round(r)
+        model = self.model_for_round(msg.params, r)
+        before = self.score_before(model, r)
+        t0 = time.time()
+        hooks, extra = self.round_hooks(model, prev)
+        stats, optim = self.fit(model, "model", prev, seed, hooks, extra=extra)
+        train_s = time.time() - t0
+        trained = cpu_state(model)
+        kept = prefixed("disc", cpu_state(extra)) if extra is not None else {}
+        self.store.save(r, {"round": r, "optim.model": optim, **prefixed("model", trained), **kept})
+        params = self.upload(trained)
+        after = self.score_after(model, r)
+        metrics = {"val_dice": before["dice"], "val_dice_local": after["dice"], "train_loss": stats["loss"],
+                   "train_seconds": train_s, "n_samples": stats["samples"], **self.round_metrics()}
+        return self.reply(params, metrics, stats["samples"])
+
+    def round_metrics(self) -> dict:
+        """Method-specific numbers of the round, added to the reply's metrics."""
+        return {}
+
+    # ---- after training -------------------------------------------------------------------------
+    def validate(self, msg: FLModel) -> FLModel:
+        """Score the model the site would use now (the received final global model) and track it."""
+        model = self.model_for_round(msg.params, msg.current_round)
+        return self.reply({}, {"val_dice": self.track(model, msg.current_round)["dice"]})
+
+    def test(self, msg: FLModel) -> FLModel:
+        """Test metrics of the server's selected global model (if the method has one) and of the site's best own model."""
+        metrics = {}
+        if unprefixed("global", msg.params or {}):
+            self.net.load_state_dict({**self.net.state_dict(), **unprefixed("global", msg.params)})
+            metrics["global"] = self.evaluate(self.net, "testing", surface=True)
+        best = load_file(self.best_path)
+        self.net.load_state_dict(unprefixed("model", best))
+        metrics["site"] = {**self.evaluate(self.net, "testing", surface=True), "selected_round": best["round"]}
+        return self.reply({}, {"test": metrics})

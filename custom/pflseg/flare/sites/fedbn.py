@@ -1,0 +1,25 @@
+"""FedBN, the site's side: the received shared part with the site's own normalisation layers (found by
+module type, ``pflseg.algorithms.fedbn.norm_keys``, kept in its round state); only the shared part is sent."""
+
+from __future__ import annotations
+
+from pflseg.algorithms.fedbn import norm_keys
+from pflseg.flare.sites.base import Site
+from pflseg.flare.state import prefixed, unprefixed
+
+
+class FedBNSite(Site):
+    def __init__(self, name: str, cfg: dict, sites: list[str]):
+        super().__init__(name, cfg, sites)
+        self.norm = norm_keys(self.net)
+
+    def model_for_round(self, received: dict, round_num: int):
+        own = self.require_own(round_num)
+        state = {**self.net.state_dict(), **unprefixed("global", received)}
+        if own is not None:
+            state.update({k: v for k, v in own.items() if k in self.norm})
+        self.net.load_state_dict(state)
+        return self.net
+
+    def upload(self, trained: dict) -> dict:
+        return prefixed("global", {k: v for k, v in trained.items() if k not in self.norm})

@@ -1,0 +1,90 @@
+"""Per-case scoring and prediction files shared by every site-side inference (FedSM super model, IOP-FL
+routing): slices grouped by case, Dice per case, and label maps written as NIfTI volumes / PNG images.
+
+``by_case`` maps ``(site, case)`` to its samples in slice order; a sample is ``{"has_label": bool,
+"label": (C, H, W) bool or None, "preds": {model key: (C, H, W) bool}, "choice": {route key: model key}}``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pflseg.train.evaluate import dice_scores
+
+
+def case_dice(by_case: dict, names: dict, pick) -> dict:
+    """Per-case Dice of the prediction ``pick(sample)`` (a model key) over the labelled slices;
+    ``per_case`` is keyed by the case's file name (``names``)."""
+    per_case = {}
+    for case, items in by_case.items():
+        labelled = [s for s in items if s["has_label"]]
+        if not labelled:
+            continue
+        pred = torch.stack([s["preds"][pick(s)] for s in labelled], dim=-1)
+        label = torch.stack([s["label"] for s in labelled], dim=-1)
+        per_case[case] = dice_scores(pred, label)
+    if not per_case:
+        return {"dice": None, "dice_per_class": None, "per_case": {}}
+    scores = torch.stack(list(per_case.values()))
+    return {
+        "dice": float(scores.mean()),
+        "dice_per_class": [float(x) for x in scores.mean(0)],
+        "per_case": {names[c]: [float(x) for x in v] for c, v in sorted(per_case.items())},
+    }
+
+
+
+def case_names(cases: Sequence[tuple[str, str]]) -> dict[tuple[str, str], str]:
+    """File-safe, unique names: the sanitised case id; ``<site>_<case>`` when the id repeats across
+    sites; a ``-<n>`` suffix if sanitising still collides."""
+    counts = defaultdict(int)
+    for _, case in cases:
+        counts[case] += 1
+    names, used = {}, set()
+    for site, case in sorted(cases):
+        base = _safe(case if counts[case] == 1 or not site else f"{site}_{case}")
+        name, n = base, 1
+        while name in used:
+            n += 1
+            name = f"{base}-{n}"
+        used.add(name)
+        names[(site, case)] = name
+    return names
+
+
+def _safe(text: str) -> str:
+    """Characters outside [A-Za-z0-9._-] -> '_'; no leading dot; never empty."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", text).lstrip(".")
+    return name or "case"
+
+
+def _label_map(pred: torch.Tensor, encoding: str) -> np.ndarray:
+    """Binary channels (C, ...) -> uint8 class map (...): nested = channel sum, exclusive = c + 1 of the
+    highest positive channel."""
+    p = pred.to(torch.uint8)
+    if encoding == "nested":
+        out = p.sum(0)
+    else:
+        weights = torch.arange(1, p.shape[0] + 1, dtype=torch.uint8).view(-1, *([1] * (p.ndim - 1)))
+        out = (p * weights).amax(0)
+    return out.numpy().astype(np.uint8)
+
+
+def write_predictions(by_case: dict, names: dict, route_key: str, out_dir: Path, encoding: str) -> None:
+    import nibabel as nib
+    from PIL import Image
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for case, items in by_case.items():
+        preds = [s["preds"][s["choice"][route_key]] for s in items]
+        if len(preds) == 1:
+            Image.fromarray(_label_map(preds[0], encoding)).save(out_dir / f"{names[case]}.png")
+        else:
+            volume = _label_map(torch.stack(preds, dim=-1), encoding)  # (H, W, D)
+            nib.save(nib.Nifti1Image(volume, np.eye(4)), str(out_dir / f"{names[case]}.nii.gz"))
