@@ -140,6 +140,40 @@ def _demo(args) -> int:
     return 0
 
 
+def _report(args) -> int:
+    """The per-method reports and benchmarks (each prints a Markdown table)."""
+    if args.report == "fedsm-benchmark":
+        from pflseg.eval import fedsm_benchmark as m
+
+        print(m.to_markdown(m.run(args.workspace or "runs/fedsm_bench", args.rounds or 20, args.seeds)))
+    elif args.report == "grace-benchmark":
+        from pflseg.eval import grace_benchmark as m
+
+        print(m.to_markdown(m.run(args.sites or 6, args.repeats)))
+    elif args.report == "grace-loso":
+        from pflseg.eval import grace_report as m
+
+        print(m.to_markdown(m.measure(args.workspace or "runs/grace_loso", args.sites or 4, args.seeds, args.rounds or 10)))
+    elif args.report == "heterogeneity":
+        from pflseg.eval import heterogeneity as m
+
+        print(m.to_markdown(m.measure(args.workspace or "runs/heterogeneity", args.rounds or 20, args.task, args.seeds[0])))
+    elif args.report == "iopfl-cost":
+        import json
+
+        from pflseg.eval import iopfl_cost as m
+
+        rows = [m.measure(s, args.experts, args.batch, args.epochs, args.repeats) for s in args.sizes]
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        print(m.to_markdown(rows))
+    elif args.report == "lcfed":
+        from pflseg.eval import lcfed_report as m
+
+        print(m.to_markdown(m.measure(args.workspace or "runs/lcfed_report", args.sites or 4, args.seeds, args.rounds or 12, args.task)))
+    return 0
+
+
 def _site(args) -> int:
     target = Path(args.site_dir) / "local" / "pflseg_site.json"
     settings = {"data": str(Path(args.data).resolve()), "device": args.device}
@@ -227,6 +261,21 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument("--rounds", type=int)
     lo.add_argument("--threads", type=int)
     lo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for both jobs")
+
+    rp = sub.add_parser("report", help="per-method reports and benchmarks on synthetic data (Markdown tables)")
+    rp.add_argument("report", choices=["fedsm-benchmark", "grace-benchmark", "grace-loso", "heterogeneity", "iopfl-cost", "lcfed"])
+    rp.add_argument("--workspace", help="default runs/<report>")
+    rp.add_argument("--rounds", type=int, help="default: fedsm-benchmark 20, grace-loso 10, heterogeneity 20, lcfed 12")
+    rp.add_argument("--sites", type=int, help="default: grace-benchmark 6, grace-loso 4, lcfed 4")
+    rp.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    rp.add_argument("--task", choices=["prostate", "fundus"], default="prostate")
+    rp.add_argument("--repeats", type=int, default=5, help="timing repeats (grace-benchmark, iopfl-cost)")
+    rp.add_argument("--sizes", type=int, nargs="+", default=[64, 256], help="iopfl-cost image sizes")
+    rp.add_argument("--experts", type=int, default=5, help="iopfl-cost: K + 1")
+    rp.add_argument("--batch", type=int, default=8, help="iopfl-cost batch")
+    rp.add_argument("--epochs", type=int, default=10, help="iopfl-cost test-time epochs")
+    rp.add_argument("--json", help="iopfl-cost: also write the rows as JSON here")
+    rp.set_defaults(func=_report)
 
     dep = sub.add_parser("deploy", help="a provisioned federation on this machine (loopback)")
     dep.set_defaults(func=_deploy)

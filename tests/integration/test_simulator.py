@@ -64,37 +64,52 @@ COVERED_ELSEWHERE = ("fedsm", "fedsm_extra", "fedsm_fundus", "fedsm_infer", "fed
                      "iopfl_route")
 
 
+#: what each job's results must hold: sites run, rounds in the history (extra selector round), a global
+#: model scored at the sites, the LC-Fed table's IoU / ASSD, the coarse head scored (HC), classes, FT entries
+EXPECT = {
+    "local":              dict(sites=2, rounds=2, glob=False, iou=False, coarse=False, classes=1),
+    "fedavg":             dict(sites=2, rounds=2, glob=True, iou=False, coarse=False, classes=1),
+    "fedprox":            dict(sites=2, rounds=2, glob=True, iou=False, coarse=False, classes=1),
+    "centralized":        dict(sites=2, rounds=2, glob=True, iou=False, coarse=False, classes=1),
+    "fedsm_extra_fundus": dict(sites=2, rounds=3, glob=True, iou=False, coarse=False, classes=2),
+    "grace_server":       dict(sites=3, rounds=2, glob=True, iou=False, coarse=False, classes=1),  # K = 2: uniform weights
+    "grace_client":       dict(sites=2, rounds=2, glob=True, iou=False, coarse=False, classes=1),
+    "lcfed_fundus":       dict(sites=2, rounds=2, glob=False, iou=True, coarse=True, classes=2),
+    "lcfed_nohc":         dict(sites=2, rounds=2, glob=False, iou=True, coarse=False, classes=1),
+    "fedrep":             dict(sites=2, rounds=2, glob=False, iou=True, coarse=False, classes=1),
+    "ft":                 dict(sites=2, rounds=2, glob=True, iou=True, coarse=False, classes=1),
+}
+
+
 def test_every_job_is_run_by_a_test():
-    assert set(job_names()) - set(COVERED_ELSEWHERE) == {"local", "fedavg", "fedprox", "centralized",
-                                                          "fedsm_extra_fundus", "grace_server", "grace_client",
-                                                          "lcfed_fundus", "lcfed_nohc", "fedrep", "ft"}
+    assert set(job_names()) - set(COVERED_ELSEWHERE) == set(EXPECT)
 
 
-@pytest.mark.parametrize("name", [n for n in job_names() if n not in COVERED_ELSEWHERE])
+@pytest.mark.parametrize("name", sorted(EXPECT))
 def test_job_completes_with_per_site_test_dice(name, tmp_path, data):
-    sites = [f"site-{i}" for i in range(1, 4 if name == "grace_server" else 3)]  # K = 2 makes GRACE's weights uniform
+    expect = EXPECT[name]
+    sites = [f"site-{i}" for i in range(1, expect["sites"] + 1)]
     res = run(name, tmp_path, data, sites=len(sites))
     assert res["sites"] == sites and not res["missing"]
-    assert [h["round"] for h in res["history"]] == ([0, 1, 2] if "extra" in name else [0, 1])  # + 1 extra round
+    assert [h["round"] for h in res["history"]] == list(range(expect["rounds"]))
     for site in res["sites"]:
         test = res["test"][site]
         assert 0.0 <= test["site"]["dice"] <= 1.0 and test["site"]["n_cases"] >= 1
-        if name in ("fedavg", "fedprox", "centralized", "ft") or name.startswith(("fedsm", "grace")):
+        assert ("global" in test) == expect["glob"]
+        if expect["glob"]:
             assert 0.0 <= test["global"]["dice"] <= 1.0
-        if name.startswith(("lcfed", "fedrep", "ft")):  # the LC-Fed table's metrics
+        if expect["iou"]:
             assert 0.0 <= test["site"]["iou"] <= test["site"]["dice"] and test["site"]["assd_undefined"] >= 0
-            assert ("site_coarse" in test) == (name == "lcfed_fundus")  # HC on: the coarse head is scored too
-        if name == "lcfed_fundus":
-            hb = res["history"][1]["head_bytes"]  # each site sends its head, and gets the other K - 1
-            assert hb["down"] == (len(res["sites"]) - 1) * hb["up"] > 0
-        if name == "ft":
-            assert sorted(res["ft"]) == res["sites"]
-        if "fundus" in name:
-            assert len(test["site"]["dice_per_class"]) == 2  # disc and cup
+        assert ("site_coarse" in test) == expect["coarse"]  # HC on: the coarse head is scored too
+        assert len(test["site"]["dice_per_class"]) == expect["classes"]
+    if expect["coarse"]:
+        hb = res["history"][1]["head_bytes"]  # each site sends its head, and gets the other K - 1
+        assert hb["down"] == (len(res["sites"]) - 1) * hb["up"] > 0
+    assert ("ft" in res) == (name == "ft") and sorted(res.get("ft", res["sites"])) == res["sites"]
     run_dir = tmp_path / "sim" / "server" / "simulate_job"
     assert (run_dir / "results.json").is_file()  # in the FLARE run dir too (downloaded with the job)
     tb = {p.name for p in (run_dir / "tb_events").iterdir()}  # TensorBoard via FLARE
-    if name == "grace_server":  # the server's consistency weights are recorded every round
+    if "grace_weights" in res["history"][0]:  # GRACE's server weights: every round, results + TensorBoard
         for h in res["history"]:
             w, sim = list(h["grace_weights"].values()), h["similarity"]
             assert abs(sum(w) - 1) < 1e-6 and all(0 < x < 1 for x in w)

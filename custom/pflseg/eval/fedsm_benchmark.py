@@ -1,6 +1,6 @@
 """FedSM benchmark on synthetic data: inside and outside Dice, selection, bytes, time and memory.
 
-    python -m pflseg.eval.fedsm_benchmark --workspace runs/fedsm_bench --rounds 20 --seeds 0 1
+    pflseg report fedsm-benchmark --workspace runs/fedsm_bench --rounds 20 --seeds 0 1
 
 Per seed: FedAvg and FedSM trained on the 3 inside sites of a 4-site synthetic set (site-4 is the set's
 "outside" site, a blend of the others' styles), then the FedSM inference job at all 4 sites. Reports
@@ -11,7 +11,6 @@ and the VGG-11 selector; wall time per round and peak memory of FedSM with 3 and
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
@@ -99,12 +98,3 @@ def to_markdown(report: dict, gamma: str = "0.9") -> str:
     lines.append(f"- FedSM round wall time: 3 sites {t3:.2f} s (peak memory {m3:.2f} GiB); "
                  f"6 sites {t6['round_seconds']:.2f} s (peak memory {t6['peak_rss_gib']:.2f} GiB)")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description="FedSM benchmark on synthetic data")
-    p.add_argument("--workspace", default="runs/fedsm_bench")
-    p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    a = p.parse_args()
-    print(to_markdown(run(a.workspace, a.rounds, a.seeds)))

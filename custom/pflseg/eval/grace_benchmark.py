@@ -1,6 +1,6 @@
 """Server aggregation time of GRACE against FedAvg, side by side in one run.
 
-    python -m pflseg.eval.grace_benchmark --sites 6 --repeats 5
+    pflseg report grace-benchmark --sites 6 --repeats 5
 
 K local models of a MONAI UNet of about 8 M parameters (channels 36..576, 2 residual units): the global
 model plus Gaussian updates. Times (median of ``repeats``) FedAvg's weighted mean, ``grace_step`` in each
@@ -10,7 +10,6 @@ products over the same stacked (K, P) updates (the naive way), on this machine's
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -74,11 +73,3 @@ def to_markdown(report: dict) -> str:
     lines.append(f"\nGram vs naive similarity: max |difference| {report['max_abs_difference_gram_vs_naive']:.2e}, "
                  f"naive / Gram time {t['similarity_naive'] / t['similarity_gram']:.2f}")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description="GRACE vs FedAvg server aggregation time")
-    p.add_argument("--sites", type=int, default=6)
-    p.add_argument("--repeats", type=int, default=5)
-    a = p.parse_args()
-    print(to_markdown(run(a.sites, a.repeats)))

@@ -1,6 +1,6 @@
 """GRACE's protocol on synthetic data: leave-one-site-out over all sites, the paper's ablation (Tables 1, 2, 4).
 
-    python -m pflseg.eval.grace_report --workspace runs/grace_loso --sites 4 --seeds 0 1 --rounds 10
+    pflseg report grace-loso --workspace runs/grace_loso --sites 4 --seeds 0 1 --rounds 10
 
 For every seed and every held-out site, four variants of the ``grace`` job train on the other sites in the
 FLARE simulator (real jobs, sites named after their data folders):
@@ -20,7 +20,6 @@ Writes ``<workspace>/grace_loso.json`` and ``.md``; runs already finished (resul
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
@@ -106,13 +105,3 @@ def to_markdown(report: dict) -> str:
         avg = [_cell([statistics.fmean(vals[i] for vals in averages[v]) for i in range(len(seeds))]) for v in VARIANTS]
         out += [f"| **average** | " + " | ".join(avg) + " |", ""]
     return "\n".join(out)
-
-
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description="GRACE leave-one-site-out ablation on synthetic data")
-    p.add_argument("--workspace", default="runs/grace_loso")
-    p.add_argument("--sites", type=int, default=4)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    p.add_argument("--rounds", type=int, default=10)
-    a = p.parse_args()
-    print(to_markdown(measure(a.workspace, a.sites, a.seeds, a.rounds)))

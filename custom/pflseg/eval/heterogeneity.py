@@ -1,6 +1,6 @@
 """How heterogeneous is the synthetic data? Measured with the real jobs, not assumed.
 
-    python -m pflseg.eval.heterogeneity --workspace runs/heterogeneity --rounds 20
+    pflseg report heterogeneity --workspace runs/heterogeneity --rounds 20
 
 1. makes the 6-site synthetic data set (5 inside sites + the outside site-6);
 2. runs the ``local`` and ``fedavg`` jobs on the 5 inside sites in the FLARE simulator;
@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -89,13 +88,3 @@ def to_markdown(report: dict) -> str:
         f"FedAvg (the mix) {report['outside_fedavg']:.3f}",
     ]
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description="Measure the heterogeneity of the synthetic sites")
-    p.add_argument("--workspace", default="runs/heterogeneity")
-    p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--task", default="prostate", choices=["prostate", "fundus"])
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args()
-    print(to_markdown(measure(a.workspace, a.rounds, a.task, a.seed)))

@@ -1,6 +1,6 @@
 """Cost of IOP-FL test-time routing per image, next to one forward pass of a single UNet.
 
-    python -m pflseg.eval.iopfl_cost --sizes 64 256 --experts 5 --batch 8 --epochs 10
+    pflseg report iopfl-cost --sizes 64 256 --experts 5 --batch 8 --epochs 10
 
 For each image size, measured side by side in one process on the same random batch: one forward pass
 of the project's UNet (eval, no gradient), one forward pass of the routed model (K + 1 experts,
@@ -11,8 +11,6 @@ gives seconds per sample and the ratio to the single UNet's forward pass.
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 
 import torch
@@ -75,19 +73,3 @@ def to_markdown(rows: list[dict]) -> str:
                      f"{r['routing_step_s_per_sample']:.4f} | {r['routing_s_per_image']:.3f} (E={r['epochs']}) | "
                      f"{r['ratio_routed_forward_to_unet']:.1f} | {r['ratio_step_to_unet']:.1f} | {r['ratio_routing_to_unet']:.0f} |")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description="IOP-FL routing cost per image vs one UNet forward pass")
-    p.add_argument("--sizes", type=int, nargs="+", default=[64, 256])
-    p.add_argument("--experts", type=int, default=5, help="K + 1")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--json")
-    a = p.parse_args()
-    rows = [measure(s, a.experts, a.batch, a.epochs, a.repeats) for s in a.sizes]
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    print(to_markdown(rows))

@@ -1,6 +1,6 @@
 """LC-Fed's protocol on synthetic data: per-site IoU, Dice and ASSD of six methods (the paper's Tables 1-4).
 
-    python -m pflseg.eval.lcfed_report --workspace runs/lcfed_report --sites 4 --seeds 0 1 --rounds 12
+    pflseg report lcfed --workspace runs/lcfed_report --sites 4 --seeds 0 1 --rounds 12
 
 Every method trains on all sites in the FLARE simulator (real jobs, LC-Fed's five-stage backbone for all;
 without PCS for the baselines) and is scored on each site's test split with the model it gives that site,
@@ -19,7 +19,6 @@ and the head exchange of LC-Fed per round (bytes the sites upload and download).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
@@ -99,14 +98,3 @@ def to_markdown(report: dict) -> str:
         out.append(f"LC-Fed head exchange per round ({k} sites): sites upload {hb['up']} bytes in all "
                    f"({hb['up'] // k} each), download {hb['down']} bytes in all ({hb['down'] // k} each, the other {k - 1} heads).")
     return "\n".join(out)
-
-
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description="LC-Fed and its baselines on synthetic data: per-site IoU, Dice, ASSD")
-    p.add_argument("--workspace", default="runs/lcfed_report")
-    p.add_argument("--sites", type=int, default=4)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    p.add_argument("--rounds", type=int, default=12)
-    p.add_argument("--task", choices=["prostate", "fundus"], default="prostate")
-    a = p.parse_args()
-    print(to_markdown(measure(a.workspace, a.sites, a.seeds, a.rounds, a.task)))

@@ -94,3 +94,19 @@ def test_device_selection():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA"):
             pick_device("cuda")
+
+
+def test_build_optimizer_puts_loaded_state_on_the_parameters_device():
+    """The state is loaded after the model is on the device (here "meta", a device other than the CPU where
+    the state was saved): a model moved after loading would leave its moments on the CPU."""
+    from pflseg.train import build_optimizer
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.ones(4, 3)).sum().backward()
+    opt.step()
+    fresh = torch.nn.Linear(3, 2)
+    rebuilt = build_optimizer(fresh, torch.device("meta"), 0.1, opt.state_dict())
+    params = {p.device.type for p in fresh.parameters()}
+    moments = {v.device.type for s in rebuilt.state.values() for k, v in s.items() if k != "step"}
+    assert params == moments == {"meta"}

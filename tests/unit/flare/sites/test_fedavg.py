@@ -1,0 +1,33 @@
+"""FedAvg / FedProx / Centralized sites: what they send and what they keep on disk."""
+
+import torch
+
+from tests.unit.flare.sites.conftest import keys_of
+
+
+def test_fedavg_sends_the_whole_trained_model_and_keeps_its_optimizer(federation):
+    fed = federation("fedavg")
+    out = fed.site().train(fed.message(0))
+    assert keys_of(out.params, "global") == set(fed.initial) and set(out.params) == {f"global.{k}" for k in fed.initial}
+    assert out.meta["NUM_STEPS_CURRENT_ROUND"] == out.metrics["n_samples"] > 0
+    assert any(not torch.equal(out.params[f"global.{k}"], v) for k, v in fed.initial.items())  # it trained
+    saved = fed.store().load(0)
+    assert "optim.model" in saved and keys_of(saved, "model") == set(fed.initial)
+    assert (fed.store().root / "best.pt").is_file()  # the received model is the round's candidate
+
+
+def test_fedprox_term_changes_the_update_and_mu_zero_is_fedavg(federation):
+    base = federation("fedavg").site().train(federation("fedavg").message(0)).params
+    same = federation("fedprox", fedprox={"mu": 0.0})
+    prox = federation("fedprox", fedprox={"mu": 10.0})
+    assert all(torch.equal(same.site().train(same.message(0)).params[k], base[k]) for k in base)
+    pulled = prox.site().train(prox.message(0)).params
+    assert any(not torch.equal(pulled[k], base[k]) for k in base)
+
+
+def test_centralized_first_site_trains_on_every_sites_data(federation):
+    fed = federation("centralized")
+    first, second = fed.site("site-1"), fed.site("site-2")
+    pooled = len(first.data("training"))
+    own = {s: len(fed.site(s, [s]).data("training")) for s in ("site-1", "site-2")}
+    assert pooled == own["site-1"] + own["site-2"] and first.pool_sites and second.pool_sites is None
