@@ -1,31 +1,14 @@
-"""Deployment pieces without processes: allow lists, loopback project, job modes, GPU resource_spec, tables."""
+"""Deployment pieces without processes: loopback project, job modes, GPU resource_spec, tables."""
 
 import json
 from pathlib import Path
 
 import pytest
 import yaml
-from nvflare.app_common.default_component_policy import DEFAULT_CLASS_ALLOW_LIST
 
-from pflseg.flare.allowlist import add_to_resources, pflseg_classes
 from pflseg.deploy.provision import REPO_PROJECT, loopback_project
 from pflseg.deploy.submit import metrics_table
-from pflseg.flare.methods import METHODS
 from pflseg.flare.jobs import export_job, gpu_resource_spec
-
-
-def test_allow_list_names_every_job_class_explicitly(tmp_path):
-    classes = pflseg_classes()
-    assert "pflseg.flare.executor.SiteExecutor" in classes
-    assert {f"{c.__module__}.{c.__qualname__}" for c in (m.controller for m in METHODS.values())} <= set(classes)
-    res = tmp_path / "resources.json.default"
-    res.write_text(json.dumps({"format_version": 2, "class_allow_list": ["nvflare.x.Y"], "components": []}))
-    add_to_resources(res)
-    add_to_resources(res)  # idempotent
-    got = json.loads(res.read_text())
-    assert got["class_allow_list"] == ["nvflare.x.Y", *classes] and got["components"] == []
-    fresh = json.loads(add_to_resources(tmp_path / "new" / "resources.json").read_text())["class_allow_list"]
-    assert fresh[: len(DEFAULT_CLASS_ALLOW_LIST)] == list(DEFAULT_CLASS_ALLOW_LIST)
 
 
 def test_loopback_project_binds_localhost_and_keeps_its_storage(tmp_path):
