@@ -218,7 +218,7 @@ def _generic_meta(sites: dict[str, list[dict]], classes: list[str] | None) -> di
     for records in sites.values():
         for r in records:
             try:
-                mask, _ = read_array(r["label"])
+                mask, _ = read_array(r["label"], mask=True)
             except Exception as err:  # noqa: BLE001 - any reader failure is a data problem
                 raise DataError(f"{r['label']}: cannot read mask ({err}). Fix: re-export the mask") from err
             plane = mask_plane(mask, is_nifti(r["label"]))
