@@ -15,8 +15,9 @@ def _data(args) -> int:
         out = data.make_synthetic(args.out, task=args.task, n_sites=args.sites, seed=args.seed)
         print(f"synthetic {args.task} data set with {args.sites} sites in {out}")
     elif args.data_cmd == "index":
-        out = data.index_dataset(args.layout, args.root, args.out, seed=args.seed)
-        print(f"indexed {args.root} ({args.layout}) into {out}")
+        classes = [c.strip() for c in args.classes.split(",")] if args.classes is not None else None
+        print(data.index_report(args.layout, args.root, args.out, seed=args.seed, classes=classes,
+                                mask_threshold=args.mask_threshold))
     else:
         problems = data.check_dataset(args.root)
         for p in problems:
@@ -211,11 +212,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--task", choices=["prostate", "fundus"], default="prostate")
     s.add_argument("--sites", type=int, default=6)
     s.add_argument("--seed", type=int, default=0)
-    i = d.add_parser("index", help="write per-site datalists for a real data layout")
-    i.add_argument("--layout", required=True)
-    i.add_argument("--root", required=True)
-    i.add_argument("--out", required=True)
-    i.add_argument("--seed", type=int, default=0)
+    i = d.add_parser("index", help="write per-site datalists for a real data layout; print what each site holds")
+    i.add_argument("--layout", required=True,
+                   help="saml, nvflare_prostate, prostate_slices, fundus or generic (<root>/<site>/{images,masks}/ "
+                        "or <root>/<site>/{train,test}/{images,masks}/)")
+    i.add_argument("--root", required=True, help="folder holding one folder per site")
+    i.add_argument("--out", required=True, help="data root to write (dataset.json + <site>/datalist.json)")
+    i.add_argument("--seed", type=int, default=0, help="seed of the case-level train/validation(/test) split")
+    i.add_argument("--mask-threshold", type=float, metavar="T",
+                   help="generic: mask value > T is foreground (lossy masks, e.g. JPEG: --mask-threshold 127)")
+    i.add_argument("--classes", metavar="A,B,...",
+                   help="generic: class names for masks labelled 0..C (needed for masks with more than two "
+                        "values; one name names the class of binary masks)")
     c = d.add_parser("check", help="report every problem of a data set")
     c.add_argument("root")
 

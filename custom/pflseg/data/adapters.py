@@ -3,7 +3,17 @@
 :func:`index_dataset` reads one of the :data:`LAYOUTS`, pairs every image with its mask, assigns
 cases to training / validation / testing (keeping a published train/test split where the layout
 has one) and writes ``<out>/dataset.json`` plus ``<out>/<site>/datalist.json`` whose entries point to
-the original files by absolute path.
+the original files by absolute path. :func:`index_report` does the same and returns what it found
+per site (what ``pflseg data index`` prints).
+
+The ``generic`` layout takes any site folder names (they become the site names) holding either
+``images/`` + ``masks/`` or ``train/`` and/or ``test/`` with ``images/`` + ``masks/`` each (the
+published test part stays the test split; validation is carved from train by case; cases are named
+``train/<stem>`` and ``test/<stem>`` so equal names in the two parts never collide). How the masks
+encode classes is decided per site from their values (:mod:`pflseg.data.masks`): two-valued
+``{0, v}`` masks are binary, ``mask_threshold`` binarises lossy masks, ``classes`` names labelled
+masks. Images may be gray, RGB, RGBA (alpha dropped), 16-bit or palette (converted); their channel
+count is dataset.json's ``in_channels``.
 """
 
 from __future__ import annotations
@@ -12,25 +22,27 @@ import os
 import re
 from pathlib import Path
 
-import numpy as np
-
-from pflseg.data.datalist import split_cases, write_dataset_json, write_datalist
-from pflseg.data.errors import DataError
-from pflseg.data.files import file_stem, is_image_file, is_nifti, mask_plane, n_channels, read_array
+from pflseg.data.datalist import split_cases, suggested_train_size, write_dataset_json, write_datalist
+from pflseg.data.errors import DataError, Problem, problems_error, shape_mismatch, unreadable
+from pflseg.data.files import file_stem, is_image_file, is_nifti
+from pflseg.data.masks import SiteEncoding, site_encoding
+from pflseg.data.summary import FileScan, IndexReport, scan_record, short_side, summarize_site
 
 LAYOUTS: dict[str, str] = {
     "saml": "<root>/<Site>/CaseNN.nii.gz + CaseNN_segmentation.nii.gz (or _Segmentation); prostate volumes",
     "nvflare_prostate": "<root>/<site>/Image/<case>.nii.gz + <root>/<site>/Mask/<case>.nii.gz",
     "prostate_slices": "<root>/<site>/{train,test}/{image,mask}/NN_MM.png; case NN, slice MM; mask 0 = prostate",
     "fundus": "<root>/Domain<k>/{train,test}/ROIs/{image,mask}/*.png; RGB; mask 0 cup, 128 rim, 255 background",
-    "generic": "<root>/<site>/{images,masks}/ matched by file stem; PNG, JPEG or NIfTI; binary or 0..C masks",
+    "generic": "<root>/<site>/{images,masks}/ or <root>/<site>/{train,test}/{images,masks}/, matched by file "
+               "stem; PNG, JPEG or NIfTI; binary {0, v} masks, --mask-threshold for lossy masks, "
+               "--classes for labelled masks",
 }
 
 # The published ProstateSlice masks draw the gland as 0 on a 255 background (checked on the shared
 # fixtures: value 0 covers 0.6-3.5 % of each slice, the gland region), so 0 maps to prostate.
 _PROSTATE_SLICE_MAP = {"0": 1, "255": 0}
-_BINARY_255_MAP = {"0": 0, "255": 1}
 _FUNDUS_MAP = {"0": 2, "128": 1, "255": 0}
+_GENERIC_PARTS = ("train", "test")
 
 
 def index_dataset(
@@ -41,33 +53,68 @@ def index_dataset(
     val_fraction: float = 0.2,
     test_fraction: float = 0.2,
     classes: list[str] | None = None,
+    mask_threshold: float | None = None,
 ) -> Path:
     """Indexes a dataset in place and writes its data root (dataset.json + datalists).
+
+    Same arguments as :func:`index_report`.
+
+    Returns:
+        The data root ``out``.
+    """
+    return index_report(layout, root, out, seed, val_fraction, test_fraction, classes, mask_threshold).out
+
+
+def index_report(
+    layout: str,
+    root: str | Path,
+    out: str | Path,
+    seed: int = 0,
+    val_fraction: float = 0.2,
+    test_fraction: float = 0.2,
+    classes: list[str] | None = None,
+    mask_threshold: float | None = None,
+) -> IndexReport:
+    """Indexes a dataset in place, writes its data root and reports what it found per site.
 
     Args:
         layout: One of :data:`LAYOUTS`.
         root: Folder holding the original data.
         out: Data root to write (may equal ``root``).
         seed: Seed of the case-level split.
-        val_fraction: Fraction of cases for validation.
-        test_fraction: Fraction of cases for testing; ignored where the layout has a published
-            test split.
-        classes: Class names (``generic`` only; inferred from the masks when None).
+        val_fraction: Fraction of cases for validation (carved from the training cases).
+        test_fraction: Fraction of cases for testing; ignored where a site has a published test split.
+        classes: Class names (``generic`` only). None: binary masks, class "foreground". Needed for
+            masks with more than two values, which are labels 0..C.
+        mask_threshold: ``generic`` only: mask value > threshold is foreground (lossy, e.g. JPEG, masks).
 
     Returns:
-        The data root ``out``.
+        An :class:`~pflseg.data.summary.IndexReport` (``.out`` is the data root written).
 
     Raises:
         DataError: Unknown layout, missing folder, no sites found, an image without its mask (or
-            a mask without its image), or masks that are neither binary nor labelled 0..C.
+            a mask without its image), unreadable files, image/mask size mismatches, images with
+            different channel counts, or masks whose encoding is ambiguous (each names the file,
+            the values seen and the option to use).
     """
     if layout not in LAYOUTS:
         raise DataError(f"unknown layout {layout!r}. Fix: use one of {', '.join(LAYOUTS)}")
+    if layout != "generic" and (classes is not None or mask_threshold is not None):
+        raise DataError(f"--classes and --mask-threshold apply to --layout generic; layout {layout!r} "
+                        "knows its masks. Fix: drop them, or use --layout generic")
+    if classes is not None and (not classes or not all(isinstance(c, str) and c.strip() for c in classes)):
+        raise DataError(f"classes={classes!r}: need one non-empty name per class. Fix: e.g. --classes disc,cup")
+    if mask_threshold is not None and classes is not None and len(classes) > 1:
+        raise DataError(f"--mask-threshold makes every mask binary (one class), but --classes names {len(classes)} "
+                        f"classes ({','.join(classes)}). Fix: pass one class name, or drop --mask-threshold for "
+                        "labelled masks")
     root = Path(os.path.abspath(root))
     if not root.is_dir():
         raise DataError(f"{root}: data folder not found. Fix: pass the folder that holds the site folders")
+    out = Path(out)
     meta = {"name": root.name, "task": "prostate", "classes": ["prostate"], "label_encoding": "nested",
             "in_channels": 1}
+    ignored: list[str] = []
     if layout == "saml":
         sites = _saml(root)
     elif layout == "nvflare_prostate":
@@ -78,16 +125,32 @@ def index_dataset(
         sites = _published_split(root, "Domain*", ("ROIs/image", "ROIs/mask"), _FUNDUS_MAP, slices=False)
         meta.update(task="fundus", classes=["disc", "cup"], in_channels=3)
     else:
-        sites = _generic(root)
-        meta.update(_generic_meta(sites, classes))
+        sites = _generic(root, Path(os.path.abspath(out)), ignored)
     if not sites:
         raise DataError(f"{root}: no sites found for layout {layout!r} ({LAYOUTS[layout]}). "
                         "Fix: point --root at the folder holding the site folders, or pick the matching layout")
-    out = Path(out)
+    scans, problems = _scan(sites)
+    if problems:
+        raise problems_error(problems, root)
+    problems = _shape_problems(sites, scans)
+    notes: dict[str, list[str]] = {site: [] for site in sites}
+    if layout == "generic":
+        problems += _mask_problems(sites, scans, classes, mask_threshold, notes)
+    if problems:
+        raise problems_error(problems, root)
+    if layout == "generic":
+        meta.update(_generic_meta(sites, scans, classes))
+    summaries = []
     for site, records in sites.items():
-        write_datalist(out / site, site, _assign_splits(site, records, seed, val_fraction, test_fraction))
-    write_dataset_json(out, sites=list(sites), layout=layout, **meta)
-    return out
+        entries = _assign_splits(site, records, seed, val_fraction, test_fraction)
+        write_datalist(out / site, site, entries)
+        summary = summarize_site(site, entries, scans, meta["classes"], meta["label_encoding"])
+        summary.notes[:0] = notes[site]
+        summaries.append(summary)
+    train_size = suggested_train_size([short_side(scan.image_shape) for scan in scans.values()])
+    write_dataset_json(out, sites=list(sites), layout=layout, train_size=train_size, **meta)
+    info = dict(meta, sites=list(sites), layout=layout, train_size=train_size)
+    return IndexReport(root=root, out=out, layout=layout, info=info, sites=summaries, ignored=ignored)
 
 
 def _assign_splits(site, records, seed, val_fraction, test_fraction) -> dict[str, list[dict]]:
@@ -147,11 +210,31 @@ def _pair_folder(site: str, image_dir: Path, mask_dir: Path, missing: list[str])
         if not folder.is_dir():
             raise DataError(f"[{site}] {folder}: folder not found. Fix: create it with the "
                             f"{'images' if folder == image_dir else 'masks'} of this site, or remove the site folder")
-    images = {file_stem(p): p for p in _images(image_dir)}
-    masks = {file_stem(p): p for p in _images(mask_dir)}
+    images, masks = _by_stem(site, image_dir), _by_stem(site, mask_dir)
     missing += [f"[{site}] {images[s]}: no mask named {s}.* in {mask_dir}" for s in sorted(images) if s not in masks]
     missing += [f"[{site}] {masks[s]}: no image named {s}.* in {image_dir}" for s in sorted(masks) if s not in images]
     return [(images[s], masks[s]) for s in sorted(images) if s in masks]
+
+
+def _by_stem(site: str, folder: Path) -> dict[str, Path]:
+    """A folder's image files by file stem.
+
+    Raises:
+        DataError: Two files share a stem (``a.png`` and ``a.jpg``): which one pairs is unclear.
+    """
+    files: dict[str, Path] = {}
+    same = []
+    for path in _images(folder):
+        stem = file_stem(path)
+        if stem in files:
+            same.append(f"  - [{site}] {path}: same name as {files[stem].name}")
+        else:
+            files[stem] = path
+    if same:
+        lines = "\n".join(same)
+        raise DataError(f"{len(same)} file(s) with the name of another file in {folder}:\n{lines}\n"
+                        "Fix: keep one file per name (move the others out of the data folder)")
+    return files
 
 
 def _nvflare_prostate(root: Path) -> dict[str, list[dict]]:
@@ -195,62 +278,118 @@ def _published_split(root: Path, pattern: str, sub: tuple[str, str], label_map: 
     return sites
 
 
-def _generic(root: Path) -> dict[str, list[dict]]:
-    """Generic: <site>/images/ and <site>/masks/ paired by file stem."""
-    sites, missing = {}, []
+def _generic(root: Path, out: Path, ignored: list[str]) -> dict[str, list[dict]]:
+    """Generic: <site>/{images,masks}/ or <site>/{train,test}/{images,masks}/, paired by file stem.
+
+    Folders that hold none of images/, masks/, train/, test/ are not sites: they are listed in
+    ``ignored`` (the output folder, when it lies inside ``root``, is passed over).
+    """
+    sites, missing, problems = {}, [], []
     for site_dir in _site_dirs(root):
-        if not (site_dir / "images").is_dir() and not (site_dir / "masks").is_dir():  # not a site
+        site = site_dir.name
+        if site_dir == out:
             continue
-        pairs = _pair_folder(site_dir.name, site_dir / "images", site_dir / "masks", missing)
-        if pairs:
-            sites[site_dir.name] = [{"image": str(i), "label": str(m), "case": file_stem(i)} for i, m in pairs]
+        flat = [name for name in ("images", "masks") if (site_dir / name).is_dir()]
+        parts = [part for part in _GENERIC_PARTS if (site_dir / part).is_dir()]
+        if flat and parts:
+            problems.append(Problem(site, str(site_dir), f"holds both {'/, '.join(flat)}/ and {'/, '.join(parts)}/",
+                                    "keep either <site>/images + <site>/masks, or <site>/train and <site>/test "
+                                    "each with images + masks"))
+            continue
+        if not flat and not parts:
+            ignored.append(f"{site_dir}: not a site folder (no images/, masks/, train/ or test/ inside)")
+            continue
+        records, n_missing = [], len(missing)
+        for part in parts or [None]:
+            base = site_dir / part if part else site_dir
+            for image, mask in _pair_folder(site, base / "images", base / "masks", missing):
+                record = {"image": str(image), "label": str(mask),
+                          "case": f"{part}/{file_stem(image)}" if part else file_stem(image)}
+                if part == "test":
+                    record["split"] = "testing"
+                records.append(record)
+        if records:
+            sites[site] = records
+        elif len(missing) == n_missing:  # no files at all (unpaired ones are reported below)
+            problems.append(Problem(site, str(site_dir), "no image files in its images/ and masks/ folders",
+                                    "add the site's images and masks (PNG, JPEG or NIfTI), or remove the site folder"))
     _raise_unpaired(missing)
+    if problems:
+        raise problems_error(problems, root)
     return sites
 
 
-def _generic_meta(sites: dict[str, list[dict]], classes: list[str] | None) -> dict:
-    """Infers label encoding, classes and input channels of a generic dataset from its files.
-
-    Masks with values in {0, 255} get label_map {"0": 0, "255": 1}; {0, 1} masks are used as is;
-    other integer masks are labelled 0..C (exclusive encoding).
-    """
-    values: set[int] = set()
-    for records in sites.values():
+def _scan(sites: dict[str, list[dict]]) -> tuple[dict[str, FileScan], list[Problem]]:
+    """Reads every record's image header and mask: image path -> scan, and the unreadable files."""
+    scans, problems = {}, []
+    for site, records in sites.items():
         for r in records:
-            try:
-                mask, _ = read_array(r["label"])
-            except Exception as err:  # noqa: BLE001 - any reader failure is a data problem
-                raise DataError(f"{r['label']}: cannot read mask ({err}). Fix: re-export the mask") from err
-            plane = mask_plane(mask, is_nifti(r["label"]))
-            if not np.all(np.equal(np.mod(plane, 1), 0)):
-                raise DataError(f"{r['label']}: mask has non-integer values. Fix: save masks as integer labels 0..C")
-            values |= {int(v) for v in np.unique(plane)}
-    first = next(iter(sites.values()))[0]["image"]
-    try:
-        image, _ = read_array(first)
-    except Exception as err:  # noqa: BLE001
-        raise DataError(f"{first}: cannot read image ({err}). Fix: re-export the image") from err
-    meta = {"task": "segmentation", "in_channels": n_channels(image, is_nifti(first)), "label_encoding": "nested"}
-    if values <= {0, 255} and 255 in values:
-        for records in sites.values():
-            for r in records:
-                r["label_map"] = dict(_BINARY_255_MAP)
-        n_classes = 1
-    elif values <= {0, 1}:
-        n_classes = 1
-    elif min(values) >= 0 and max(values) <= 64:
-        n_classes = max(values)
-        meta["label_encoding"] = "exclusive"
-    else:
-        raise DataError(f"masks hold values {sorted(values)[:12]}... which are neither binary (0/1 or 0/255) nor "
-                        "class labels 0..C. Fix: save masks losslessly (PNG/NIfTI) with values 0..C")
-    if classes is not None:
-        if len(classes) < n_classes:
-            raise DataError(f"classes={classes} names {len(classes)} class(es) but the masks hold labels up to "
-                            f"{n_classes}. Fix: pass one class name per label value 1..{n_classes}")
-        n_classes = len(classes)
-        if n_classes > 1:
-            meta["label_encoding"] = "exclusive"
-    meta["classes"] = list(classes) if classes is not None else (
-        ["foreground"] if n_classes == 1 else [f"class{k}" for k in range(1, n_classes + 1)])
-    return meta
+            scan, unreadable_files = scan_record(site, r)
+            problems += unreadable_files
+            if scan is not None:
+                scans[r["image"]] = scan
+    return scans, problems
+
+
+def _shape_problems(sites: dict[str, list[dict]], scans: dict[str, FileScan]) -> list[Problem]:
+    """Every image whose mask has another spatial shape."""
+    return [
+        shape_mismatch(site, r["image"], r["label"], scans[r["image"]].image_shape, scans[r["image"]].mask_shape)
+        for site, records in sites.items() for r in records
+        if scans[r["image"]].image_shape != scans[r["image"]].mask_shape
+    ]
+
+
+def _mask_problems(
+    sites: dict[str, list[dict]],
+    scans: dict[str, FileScan],
+    classes: list[str] | None,
+    mask_threshold: float | None,
+    notes: dict[str, list[str]],
+) -> list[Problem]:
+    """Decides each site's mask encoding and writes it into its records (and its note).
+
+    Returns:
+        One problem per site whose masks are ambiguous (that site's records are left unchanged).
+    """
+    problems = []
+    for site, records in sites.items():
+        decision = site_encoding(site, [scans[r["image"]].mask for r in records], classes, mask_threshold)
+        if isinstance(decision, Problem):
+            problems.append(decision)
+            continue
+        for r in records:
+            _apply(r, decision)
+        notes[site].append(decision.note)
+    return problems
+
+
+def _generic_meta(sites: dict[str, list[dict]], scans: dict[str, FileScan], classes: list[str] | None) -> dict:
+    """dataset.json fields of a generic data set: task, in_channels, classes, label_encoding.
+
+    Raises:
+        DataError: The images have different channel counts (naming one image of each kind).
+    """
+    by_channels: dict[int, list[tuple[str, str]]] = {}
+    for site, records in sites.items():
+        for r in records:
+            by_channels.setdefault(scans[r["image"]].channels, []).append((site, r["image"]))
+    if len(by_channels) > 1:
+        kinds = "; ".join(f"{c} channel(s): {len(files)} image(s), e.g. [{files[0][0]}] {files[0][1]}"
+                          for c, files in sorted(by_channels.items()))
+        raise DataError(f"images have different channel counts ({kinds}). Fix: convert the images to one kind "
+                        "(all grayscale or all RGB) before indexing")
+    return {
+        "task": "segmentation",
+        "in_channels": next(iter(by_channels)),
+        "classes": list(classes) if classes else ["foreground"],
+        "label_encoding": "nested" if not classes or len(classes) == 1 else "exclusive",
+    }
+
+
+def _apply(record: dict, decision: SiteEncoding) -> None:
+    """Writes a site's mask encoding into one of its records."""
+    if decision.label_map is not None:
+        record["label_map"] = dict(decision.label_map)
+    if decision.threshold is not None:
+        record["label_threshold"] = decision.threshold

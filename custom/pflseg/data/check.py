@@ -122,16 +122,17 @@ def _check_entry(site, site_dir, split, k, entry, n_classes, in_channels) -> lis
                                 "restore the mask file or regenerate the datalist"))
         return problems
     try:
-        label, label_spacing = read_array(label_path)
+        label, label_spacing = read_array(label_path, mask=True)
     except Exception as err:  # noqa: BLE001
         problems.append(unreadable(site, label_path, err))
         return problems
     nifti = is_nifti(label_path)
-    if not nifti and label.ndim == 3 and not (label == label[..., :1]).all():
+    threshold = entry.get("label_threshold")
+    if not nifti and label.ndim == 3 and threshold is None and not (label == label[..., :1]).all():
         problems.append(Problem(site, str(label_path), "colour mask with differing channels",
                                 "save the mask as a single-channel (grayscale) image"))
     label_values = mask_plane(label, nifti)
-    problem = label_problem(site, label_path, label_values, entry.get("label_map"), n_classes)
+    problem = label_problem(site, label_path, label_values, entry.get("label_map"), n_classes, threshold)
     if problem is not None:
         problems.append(problem)
     if image is None:

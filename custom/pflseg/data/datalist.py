@@ -3,13 +3,19 @@
 A data root holds ``dataset.json`` and one folder per site with ``datalist.json``::
 
     <root>/dataset.json          {"name", "task", "classes", "label_encoding", "in_channels",
-                                  "sites", "layout"}
+                                  "sites", "layout"} and optionally "train_size"
     <root>/<site>/datalist.json  {"site": name, "training": [...], "validation": [...],
                                   "testing": [...]}
 
+``in_channels`` is the number of image channels the readers give (alpha dropped, palette images
+converted), ``classes`` the names of the C output channels, and ``train_size`` (written by
+``pflseg data index``) a suggested training height = width in pixels: the largest power of two not
+above the median short side of the images, at most 256 (:func:`suggested_train_size`).
+
 Each entry is ``{"image": path, "label": path, "case": id}`` with optional ``"label_map"``
-(raw mask value -> class index, keys are strings) and ``"slice"`` (slice index of a 2D image
-within its case). Paths are relative to the site folder or absolute.
+(raw mask value -> class index, keys are strings) or ``"label_threshold"`` (raw value > threshold
+is class 1), and ``"slice"`` (slice index of a 2D image within its case). Paths are relative to the
+site folder or absolute.
 """
 
 from __future__ import annotations
@@ -26,6 +32,27 @@ DATASET_JSON = "dataset.json"
 DATALIST_JSON = "datalist.json"
 SPLITS = ("training", "validation", "testing")
 ENCODINGS = ("nested", "exclusive")
+MAX_TRAIN_SIZE = 256
+MIN_TRAIN_SIZE = 4
+
+
+def suggested_train_size(sides: list[int], cap: int = MAX_TRAIN_SIZE) -> int:
+    """The largest power of two <= the median of ``sides``, capped at ``cap``, at least 4.
+
+    Args:
+        sides: The short side (pixels) of every image (in-plane for volumes).
+        cap: Largest size returned.
+
+    Returns:
+        A training height = width in pixels, e.g. 256 for 384x384 slices, 128 for 200x180 images.
+    """
+    if not sides:
+        raise ValueError("sides is empty: need the size of at least one image")
+    median = float(np.median(sides))
+    size = MIN_TRAIN_SIZE
+    while size * 2 <= min(median, cap):
+        size *= 2
+    return size
 
 
 def split_cases(
@@ -93,8 +120,9 @@ def write_dataset_json(
     in_channels: int,
     sites: list[str],
     layout: str,
+    train_size: int | None = None,
 ) -> Path:
-    """Writes ``<root>/dataset.json`` (see the module docstring for the fields)."""
+    """Writes ``<root>/dataset.json`` (see the module docstring for the fields; train_size only when given)."""
     if label_encoding not in ENCODINGS:
         raise ValueError(f"label_encoding={label_encoding!r}: expected one of {ENCODINGS}")
     root = Path(root)
@@ -108,6 +136,8 @@ def write_dataset_json(
         "sites": list(sites),
         "layout": layout,
     }
+    if train_size is not None:
+        body["train_size"] = int(train_size)
     path = root / DATASET_JSON
     path.write_text(json.dumps(body, indent=2) + "\n")
     return path
@@ -144,6 +174,7 @@ def resolve(site_dir: str | Path, path: str) -> Path:
 
 _INFO_TYPES = {"name": str, "task": str, "classes": list, "label_encoding": str, "in_channels": int,
                "sites": list, "layout": str}
+_OPTIONAL_INFO_TYPES = {"train_size": int}
 
 
 def read_dataset_info(root: str | Path) -> tuple[dict | None, list]:
@@ -180,7 +211,12 @@ def read_dataset_info(root: str | Path) -> tuple[dict | None, list]:
             problems.append(Problem("", str(path), f"sites must be a non-empty list of names, got {info['sites']!r}", fix))
         if info["in_channels"] < 1:
             problems.append(Problem("", str(path), f"in_channels must be >= 1, got {info['in_channels']}", fix))
-    unknown = sorted(set(info) - set(_INFO_TYPES))
+    for key, kind in _OPTIONAL_INFO_TYPES.items():
+        value = info.get(key, MIN_TRAIN_SIZE)
+        if not isinstance(value, kind) or isinstance(value, bool) or value < MIN_TRAIN_SIZE:
+            problems.append(Problem("", str(path), f"{key!r} must be an integer >= {MIN_TRAIN_SIZE}, got {value!r}", fix))
+    known = list(_INFO_TYPES) + list(_OPTIONAL_INFO_TYPES)
+    unknown = sorted(set(info) - set(known))
     if unknown:
-        problems.append(Problem("", str(path), f"unknown key(s) {unknown}", f"remove them; known keys are {list(_INFO_TYPES)}"))
+        problems.append(Problem("", str(path), f"unknown key(s) {unknown}", f"remove them; known keys are {known}"))
     return (None if problems else info), problems

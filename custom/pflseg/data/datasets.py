@@ -29,7 +29,7 @@ from monai.transforms import Compose, LoadImage, MapTransform, NormalizeIntensit
 
 from pflseg.data.datalist import SPLITS, read_datalist, read_dataset_info, resolve
 from pflseg.data.errors import DataError, Problem, problems_error, shape_mismatch, unreadable
-from pflseg.data.files import is_nifti
+from pflseg.data.files import convert_image, convert_mask, is_nifti
 from pflseg.data.labels import encode_labels, map_labels
 
 
@@ -46,9 +46,10 @@ def load_dataset_info(root: str | Path) -> dict:
 
 
 class LabelMapd(MapTransform):
-    """Applies the entry's ``label_map`` to the label and checks the classes are 0..C.
+    """Applies the entry's ``label_map`` (or ``label_threshold``) to the label and checks the classes are 0..C.
 
-    Reads ``d["label_map"]`` (optional), ``d["site"]`` and ``d["label_path"]`` for messages.
+    Reads ``d["label_map"]`` and ``d["label_threshold"]`` (optional), ``d["site"]`` and
+    ``d["label_path"]`` for messages.
 
     Args:
         keys: Label key(s).
@@ -63,7 +64,8 @@ class LabelMapd(MapTransform):
         d = dict(data)
         for key in self.key_iterator(d):
             mask = np.asarray(d[key])
-            d[key] = map_labels(d.get("site", ""), d.get("label_path", ""), mask, d.get("label_map"), self.n_classes)
+            d[key] = map_labels(d.get("site", ""), d.get("label_path", ""), mask, d.get("label_map"), self.n_classes,
+                                d.get("label_threshold"))
         return d
 
 
@@ -86,13 +88,6 @@ class EncodeLabelsd(MapTransform):
             label = np.asarray(torch.as_tensor(d[key]).detach().cpu())[0]
             d[key] = torch.from_numpy(encode_labels(np.rint(label), self.n_classes, self.encoding))
         return d
-
-
-def _pil_convert(img):
-    """PIL converter for MONAI's PILReader: alpha dropped, palette/gray kept."""
-    if img.mode in ("RGBA", "CMYK", "YCbCr", "HSV", "LAB"):
-        return img.convert("RGB")
-    return img.convert("L") if img.mode == "LA" else img
 
 
 class SliceDataset(torch.utils.data.Dataset):
@@ -133,8 +128,11 @@ class SliceDataset(torch.utils.data.Dataset):
                             "Fix: add training cases for this site or remove it from dataset.json")
         self.n_classes = len(self.info["classes"])
         self.transform = transform
-        self._load = LoadImage(reader=[NibabelReader(), PILReader(converter=_pil_convert, reverse_indexing=False)],
-                               image_only=True, dtype=np.float32)
+        self._load = {  # images: alpha dropped, palette -> gray/RGB; masks: palette indices kept
+            role: LoadImage(reader=[NibabelReader(), PILReader(converter=convert, reverse_indexing=False)],
+                            image_only=True, dtype=np.float32)
+            for role, convert in (("image", convert_image), ("label", convert_mask))
+        }
         self._label_map = LabelMapd("label", self.n_classes)
         self._slice_tf = {  # area averaging when shrinking (no aliasing, no border fall-off), else bilinear
             shrink: Compose([
@@ -189,10 +187,10 @@ class SliceDataset(torch.utils.data.Dataset):
             raise unreadable(self.site, path, err).error() from err
         return int(shape[2]) if len(shape) >= 3 else 1
 
-    def _read(self, path: Path) -> np.ndarray:
-        """Loads a file as (C, H, W, D) float32 (see the module docstring for the axis rules)."""
+    def _read(self, path: Path, role: str = "image") -> np.ndarray:
+        """Loads an image (role "image") or mask ("label") as (C, H, W, D) float32 (see the module docstring)."""
         try:
-            data = np.asarray(self._load(str(path)))
+            data = np.asarray(self._load[role](str(path)))
         except Exception as err:  # noqa: BLE001
             raise unreadable(self.site, path, err.__cause__ or err).error() from err
         if is_nifti(path):
@@ -210,11 +208,11 @@ class SliceDataset(torch.utils.data.Dataset):
                           f"image has {image.shape[0]} channel(s), dataset.json says in_channels="
                           f"{self.info['in_channels']}", "convert the image or fix in_channels in dataset.json").error()
         if label_path is not None:
-            label = self._read(label_path)[:1]
+            label = self._read(label_path, "label")[:1]
             if label.shape[1:] != image.shape[1:]:
                 raise shape_mismatch(self.site, image_path, label_path, image.shape[1:], label.shape[1:]).error()
             d = self._label_map({"label": label, "label_map": entry.get("label_map"), "site": self.site,
-                                 "label_path": str(label_path)})
+                                 "label_threshold": entry.get("label_threshold"), "label_path": str(label_path)})
             label = d["label"].astype(np.float32)
         else:
             label = np.zeros((1,) + image.shape[1:], np.float32)

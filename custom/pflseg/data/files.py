@@ -2,6 +2,10 @@
 
 Arrays are returned in the file's own index order: NIfTI ``(X, Y[, Z])`` as stored by nibabel,
 PNG/JPEG ``(H, W)`` for grayscale and ``(H, W, 3)`` for colour.
+
+Images and masks are converted differently (:func:`convert_image`, :func:`convert_mask`): an image's
+alpha channel is dropped and a palette image becomes the colours it shows (grayscale when its palette
+is gray, RGB otherwise); a palette mask keeps its palette indices, which are its labels.
 """
 
 from __future__ import annotations
@@ -34,20 +38,112 @@ def file_stem(path: str | Path) -> str:
     return Path(name).stem
 
 
-def pil_to_array(img) -> np.ndarray:
-    """Converts a PIL image to an array: palette/index and gray kept, alpha dropped."""
-    if img.mode in ("RGBA", "CMYK", "YCbCr", "HSV", "LAB"):
-        img = img.convert("RGB")
-    elif img.mode == "LA":
-        img = img.convert("L")
-    return np.asarray(img)
+_OTHER_COLOUR_MODES = ("YCbCr", "CMYK", "HSV", "LAB")
+LOSSY_SUFFIXES = (".jpg", ".jpeg")
 
 
-def read_array(path: str | Path) -> tuple[np.ndarray, tuple[float, ...] | None]:
+def is_lossy(path: str | Path) -> bool:
+    """True for JPEG files, whose masks carry compression noise."""
+    return str(path).lower().endswith(LOSSY_SUFFIXES)
+
+
+def _palette_is_gray(img) -> bool:
+    """True when every palette entry of a ``P``/``PA`` image has R == G == B."""
+    palette = img.getpalette() or []
+    return all(palette[k] == palette[k + 1] == palette[k + 2] for k in range(0, len(palette) - 2, 3))
+
+
+def _drop_alpha(img):
+    """RGBA -> RGB, LA -> L, other colour spaces -> RGB; anything else unchanged."""
+    if img.mode in ("RGBA", "RGBa") or img.mode in _OTHER_COLOUR_MODES:
+        return img.convert("RGB")
+    if img.mode in ("LA", "La"):
+        return img.convert("L")
+    return img
+
+
+def convert_image(img):
+    """An opened PIL image as the image reader presents it: alpha dropped, palette to gray or RGB.
+
+    16-bit (``I;16``), 32-bit and float gray images are kept as they are.
+    """
+    if img.mode in ("P", "PA"):
+        return img.convert("L" if _palette_is_gray(img) else "RGB")
+    return _drop_alpha(img)
+
+
+def convert_mask(img):
+    """An opened PIL mask as the mask reader presents it: palette indices kept, alpha dropped."""
+    return img.convert("P") if img.mode == "PA" else _drop_alpha(img)
+
+
+def pil_to_array(img, mask: bool = False) -> np.ndarray:
+    """Converts a PIL image to an array with :func:`convert_image` (or :func:`convert_mask`)."""
+    return np.asarray(convert_mask(img) if mask else convert_image(img))
+
+
+def describe_mode(img) -> tuple[int, str]:
+    """Channels an image file gives after :func:`convert_image`, and its mode in words.
+
+    Args:
+        img: An opened (not necessarily loaded) PIL image.
+
+    Returns:
+        ``(channels, words)``, e.g. ``(3, "RGBA, alpha channel dropped")`` or ``(1, "16-bit gray")``.
+    """
+    mode = img.mode
+    if mode in ("P", "PA"):
+        gray = _palette_is_gray(img)
+        alpha = ", alpha channel dropped" if mode == "PA" else ""
+        return (1, f"palette, converted to gray{alpha}") if gray else (3, f"palette, converted to RGB{alpha}")
+    if mode in ("RGBA", "RGBa"):
+        return 3, "RGBA, alpha channel dropped"
+    if mode in ("LA", "La"):
+        return 1, "gray + alpha, alpha channel dropped"
+    if mode.startswith("I;16"):
+        return 1, "16-bit gray"
+    if mode in ("I", "F"):
+        return 1, "32-bit integer gray" if mode == "I" else "float gray"
+    if mode == "1":
+        return 1, "1-bit"
+    if mode == "L":
+        return 1, "gray"
+    if mode == "RGB":
+        return 3, "RGB"
+    if mode in _OTHER_COLOUR_MODES:
+        return 3, f"{mode}, converted to RGB"
+    return len(img.getbands()), mode
+
+
+def image_header(path: str | Path) -> tuple[tuple[int, ...], int, str]:
+    """Spatial shape, channels and mode in words of an image file, from its header only.
+
+    Returns:
+        ``(shape, channels, words)``: shape ``(H, W)`` for 2D formats (the order of
+        :func:`read_array`), the NIfTI spatial shape for NIfTI (channels 1, words "NIfTI").
+
+    Raises:
+        Exception: Whatever the reader raises for a missing or corrupt file.
+    """
+    if is_nifti(path):
+        import nibabel as nib
+
+        shape = tuple(int(s) for s in nib.load(str(path)).shape)
+        shape = shape[:3] if len(shape) > 3 and all(s == 1 for s in shape[3:]) else shape
+        return shape, 1, "NIfTI"
+    from PIL import Image
+
+    with Image.open(path) as img:
+        channels, words = describe_mode(img)
+        return (img.height, img.width), channels, words
+
+
+def read_array(path: str | Path, mask: bool = False) -> tuple[np.ndarray, tuple[float, ...] | None]:
     """Reads a whole image file.
 
     Args:
         path: NIfTI, PNG, JPEG, BMP or TIFF file.
+        mask: Read it as a mask (:func:`convert_mask`) rather than an image (:func:`convert_image`).
 
     Returns:
         ``(array, spacing)``; spacing is the NIfTI pixdim of the spatial axes, None for 2D formats.
@@ -67,7 +163,7 @@ def read_array(path: str | Path) -> tuple[np.ndarray, tuple[float, ...] | None]:
 
     with Image.open(path) as img:
         img.load()
-        return pil_to_array(img), None
+        return pil_to_array(img, mask=mask), None
 
 
 def spatial_shape(array: np.ndarray, nifti: bool) -> tuple[int, ...]:
