@@ -8,7 +8,7 @@ The job is built from app_configs/<name>.yaml exactly as `pflseg jobs export` bu
 import argparse
 
 from pflseg.config import parse_set
-from pflseg.flare.jobs import run_simenv
+from pflseg.deploy.simulator import run_simenv
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
