@@ -270,7 +270,9 @@ def _step_cfg(cfg: Mapping | None) -> dict:
     return cfg
 
 
-def site_contrast(model: torch.nn.Module, parts: Mapping, site_index: int, n_sites: int, contrast_on: str = "gate") -> torch.Tensor:
+def site_contrast(
+    model: torch.nn.Module, parts: Mapping, site_index: int, n_sites: int, contrast_on: str = "gate"
+) -> torch.Tensor:
     """L_sc of one forward pass of site ``site_index`` (module docstring).
 
     Args:
