@@ -4,23 +4,46 @@ Per batch, with the round's global model phi_g frozen and h(x; theta) the featur
 segmentation head:
 
     B1, B2   = first / second half of the batch             (split=False: B1 = B2 = the batch)
-    theta'   = theta - inner_lr * grad L_task(theta; B1)
+    g        = grad L_task(theta; B1)
+    theta'   = theta - inner_lr * D^-1 g                    (inner step, see below)
     L_meta   = L_task(theta'; B2) + beta * L_align( h(B2; theta'), h(B2; phi_g) )
     theta    <- optimizer step on theta with gradient grad_theta' L_meta      (first-order MAML)
 
 The second-order term (d theta' / d theta) is dropped: the gradient taken at theta' is applied to theta.
+
+Inner step (``inner``). The paper writes a plain SGD step (``inner="sgd"``: D = 1). With an Adam outer
+optimizer at lr 1e-3, an SGD step of the same size moves theta by 1e-3 * ||g||, orders of magnitude less
+than one outer Adam step (about lr per coordinate), so theta' ~ theta and the meta-test sees the same
+model. The default ``inner="adam"`` preconditions the step the way the outer Adam does, per element:
+
+    v'  = beta2 * v + (1 - beta2) * g^2          v, t: the outer optimizer's ``exp_avg_sq`` and ``step``
+    D   = sqrt(v' / (1 - beta2^(t + 1))) + eps    (0 and 0 when the optimizer has no state for the tensor)
+
+i.e. the denominator Adam itself would use if its next step had gradient g (no first moment: the step
+follows the current gradient). On an empty state (first batch, or an optimizer without second moments
+such as SGD) this is Adam's first step, inner_lr * g / (|g| + eps), of norm ~ inner_lr * sqrt(n_params).
+The outer optimizer's state is read, never written.
+
+Normalisation mode of the frozen global model. h(B2; phi_g) is computed with the normalisation layers of
+phi_g in the same mode as the corresponding layers of the local model (train mode: the statistics of B2;
+eval mode: running statistics), and every other module of phi_g (dropout) in eval mode; phi_g's buffers
+(running statistics) are restored afterwards and its own modes too. So at theta' = phi_g (and no
+dropout), the two feature maps are identical and L_align = 0; the earlier eval-mode extraction compared
+batch-statistics features with running-statistics features and gave L_align != 0 there.
+
 Honest special cases (tested): with beta = 0 and split=False the update is a plain optimizer step on the
 batch with the gradient evaluated at theta' (not at theta); with inner_lr = 0 as well it is exactly one
 plain optimizer step on the batch, normalisation running statistics included (the running statistics
 are restored after the meta-train forward, so only the meta-test forward updates them, once).
 
-``meta_step`` plugs into the one training loop as ``Hooks(step=functools.partial(meta_step, ...))``.
+``meta_step`` plugs into the one training loop as ``Hooks(step=functools.partial(meta_step, ...))``;
+``record`` lets the caller log the mean inner-step length ||theta' - theta|| per round.
 Pure torch, no I/O. See ../shared/reference/ALGORITHMS.md section 2; alignment losses in alignment.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +51,9 @@ from torch import nn
 
 FeatureFn = Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 AlignFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+INNER_STEPS = ("adam", "sgd")
+_NORM = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.GroupNorm, nn.LayerNorm)
 
 
 def feature_layer(model: nn.Module) -> nn.Module:
@@ -99,6 +125,93 @@ def _halves(batch: dict, split: bool) -> tuple[dict, dict]:
     return {"image": images[:h], "label": labels[:h]}, {"image": images[h:], "label": labels[h:]}
 
 
+def _param_groups(optimizer: torch.optim.Optimizer) -> dict[int, dict]:
+    return {id(p): group for group in optimizer.param_groups for p in group["params"]}
+
+
+def inner_update(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    optimizer: torch.optim.Optimizer,
+    inner_lr: float,
+    inner: str = "adam",
+) -> list[torch.Tensor | None]:
+    """The inner-step displacement theta' - theta for each parameter (the parameters are not changed).
+
+    Args:
+        params: the trainable tensors theta (any shapes).
+        grads: grad L_task(theta; B1) per tensor, same shapes; None = no gradient (no displacement).
+        optimizer: the outer optimizer; for ``adam`` its ``state[p]["exp_avg_sq"]`` / ``["step"]``
+            (and ``max_exp_avg_sq`` with ``amsgrad``) and its group's ``betas`` / ``eps`` are read.
+        inner_lr: step size, >= 0.
+        inner: ``adam`` (preconditioned as the outer Adam, module docstring) or ``sgd`` (-inner_lr * g).
+
+    Returns:
+        Per tensor, the displacement (same shape as the parameter) or None.
+    """
+    if inner not in INNER_STEPS:
+        raise ValueError(f"inner must be one of {', '.join(INNER_STEPS)}, got {inner!r}")
+    groups = _param_groups(optimizer) if inner == "adam" else {}
+    out: list[torch.Tensor | None] = []
+    for p, g in zip(params, grads):
+        if g is None:
+            out.append(None)
+            continue
+        g = g.detach()
+        if inner == "sgd":
+            out.append(-inner_lr * g)
+            continue
+        group = groups.get(id(p), {})
+        beta2 = float(group.get("betas", (0.9, 0.999))[1])
+        eps = float(group.get("eps", 1e-8))
+        state = optimizer.state.get(p, {})
+        v = state.get("max_exp_avg_sq") if group.get("amsgrad", False) else None
+        v = state.get("exp_avg_sq") if v is None else v
+        if v is None or "step" not in state:
+            v, t = torch.zeros_like(g), 0.0
+        else:
+            v, t = v.detach().to(g.dtype), float(state["step"])
+        v_next = beta2 * v + (1.0 - beta2) * g * g
+        denom = (v_next / (1.0 - beta2 ** (t + 1.0))).sqrt() + eps
+        out.append(-inner_lr * g / denom)
+    return out
+
+
+def frozen_features(
+    global_model: nn.Module, model: nn.Module, feature_fn: FeatureFn, images: torch.Tensor
+) -> torch.Tensor:
+    """Features h(images; phi_g) of the frozen global model, normalised in the local model's mode.
+
+    Each normalisation layer of ``global_model`` takes the ``training`` flag of the local module of the
+    same name (``model.training`` where there is none); every other module is put in eval mode (no
+    dropout). No gradient; the global model's buffers (running statistics) and modes are restored.
+
+    Args:
+        global_model: phi_g, same architecture as ``model``.
+        model: the local model, whose modes are copied.
+        feature_fn: ``feature_fn(model, images) -> (features, logits)``.
+        images: (B, C, H, W).
+
+    Returns:
+        (B, d, H, W) detached features.
+    """
+    local_modes = {name: m.training for name, m in model.named_modules()}
+    saved_modes = [(m, m.training) for m in global_model.modules()]
+    saved_buffers = [(buf, buf.detach().clone()) for buf in global_model.buffers()]
+    try:
+        for name, m in global_model.named_modules():
+            m.training = local_modes.get(name, model.training) if isinstance(m, _NORM) else False
+        with torch.no_grad():
+            features, _ = feature_fn(global_model, images)
+    finally:
+        with torch.no_grad():
+            for buf, saved in saved_buffers:
+                buf.copy_(saved)
+        for m, mode in saved_modes:
+            m.training = mode
+    return features.detach()
+
+
 def meta_step(
     model: nn.Module,
     batch: dict,
@@ -111,6 +224,8 @@ def meta_step(
     global_model: nn.Module | None,
     feature_fn: FeatureFn | None = unet_features,
     split: bool = True,
+    inner: str = "adam",
+    record: dict | None = None,
 ) -> float:
     """One first-order GRACE meta step; updates ``model`` in place through ``optimizer``.
 
@@ -119,14 +234,22 @@ def meta_step(
         batch: ``{"image": (B, C, H, W), "label": (B, K, H, W)}``.
         optimizer: outer optimizer over ``model``'s parameters (any torch optimizer).
         loss_fn: ``loss_fn(logits, label) -> scalar`` task loss.
-        inner_lr: step size eta of the inner (meta-train) SGD step, >= 0; 0 skips it (theta' = theta).
+        inner_lr: step size eta of the inner (meta-train) step, >= 0; 0 skips it (theta' = theta).
         beta: weight of the alignment term, >= 0; 0 skips the global model entirely.
         align_fn: ``align_fn(f_local, f_global) -> scalar``, e.g. ``alignment.coral``; needed if beta > 0.
-        global_model: the round's global model phi_g on the same device; evaluated frozen (no gradient,
-            eval mode, its own mode restored afterwards); needed if beta > 0.
+        global_model: the round's global model phi_g on the same device; evaluated frozen by
+            :func:`frozen_features` (no gradient, normalisation layers in the local model's mode, dropout
+            off, its buffers and modes restored afterwards); needed if beta > 0.
         feature_fn: ``feature_fn(model, images) -> (features (B, d, H, W), logits)``; needed if beta > 0.
         split: split the batch into meta-train / meta-test halves (B1 = first B // 2 samples); with
             False, or a batch of one sample, both are the whole batch.
+        inner: ``adam`` (default: preconditioned by the outer optimizer's second moments, sign-like
+            inner_lr * g / (|g| + eps) where it has none) or ``sgd`` (the paper's plain step); see
+            :func:`inner_update`.
+        record: optional dict; each call adds ||theta' - theta|| (L2 over all trainable parameters, a
+            float) to ``record["inner_norm_sum"]`` and 1 to ``record["inner_steps"]`` (both created at
+            0), so ``inner_norm_sum / inner_steps`` is the mean inner-step length. Left untouched when
+            the call fails.
 
     Returns:
         L_meta at theta' as a float.
@@ -135,6 +258,8 @@ def meta_step(
         raise ValueError(f"inner_lr must be finite and >= 0, got {inner_lr}")
     if not (beta >= 0 and beta != float("inf")):
         raise ValueError(f"beta must be finite and >= 0, got {beta}")
+    if inner not in INNER_STEPS:
+        raise ValueError(f"inner must be one of {', '.join(INNER_STEPS)}, got {inner!r}")
     if beta > 0:
         for name, value in (("align_fn", align_fn), ("global_model", global_model), ("feature_fn", feature_fn)):
             if value is None:
@@ -143,32 +268,28 @@ def meta_step(
     params = [p for p in model.parameters() if p.requires_grad]
     theta = [p.detach().clone() for p in params]
     buffers = [(buf, buf.detach().clone()) for buf in model.buffers()]
+    inner_sq = 0.0
 
     try:
-        if inner_lr > 0:  # theta' = theta - inner_lr * grad L_task(theta; B1)
-            inner = loss_fn(model(b1["image"]), b1["label"])
-            if not torch.isfinite(inner):
-                raise FloatingPointError(f"meta-train loss became {inner.item()}; lower train.lr or inner_lr")
-            grads = torch.autograd.grad(inner, params, allow_unused=True)
+        if inner_lr > 0:  # theta' = theta + inner_update(grad L_task(theta; B1))
+            inner_loss = loss_fn(model(b1["image"]), b1["label"])
+            if not torch.isfinite(inner_loss):
+                raise FloatingPointError(f"meta-train loss became {inner_loss.item()}; lower train.lr or inner_lr")
+            grads = torch.autograd.grad(inner_loss, params, allow_unused=True)
             with torch.no_grad():
-                for p, g in zip(params, grads):
-                    if g is not None:
-                        p.sub_(inner_lr * g)
+                for p, delta in zip(params, inner_update(params, grads, optimizer, inner_lr, inner)):
+                    if delta is not None:
+                        p.add_(delta)
                 for buf, saved in buffers:  # only the meta-test forward updates running statistics
                     buf.copy_(saved)
+                inner_sq = float(sum((p - t).double().pow(2).sum() for p, t in zip(params, theta)))
 
         optimizer.zero_grad(set_to_none=True)
         if beta > 0:
+            global_features = frozen_features(global_model, model, feature_fn, b2["image"])
             features, logits = feature_fn(model, b2["image"])
             loss = loss_fn(logits, b2["label"])
-            was_training = global_model.training
-            global_model.eval()
-            try:
-                with torch.no_grad():
-                    global_features, _ = feature_fn(global_model, b2["image"])
-            finally:
-                global_model.train(was_training)
-            loss = loss + beta * align_fn(features, global_features.detach())
+            loss = loss + beta * align_fn(features, global_features)
         else:
             loss = loss_fn(model(b2["image"]), b2["label"])
         if not torch.isfinite(loss):
@@ -184,4 +305,7 @@ def meta_step(
             for p, saved in zip(params, theta):
                 p.copy_(saved)
     optimizer.step()
+    if record is not None:
+        record["inner_norm_sum"] = record.get("inner_norm_sum", 0.0) + inner_sq**0.5
+        record["inner_steps"] = record.get("inner_steps", 0) + 1
     return float(loss.detach())

@@ -9,10 +9,27 @@ PCS (personalized channel selection), after the last encoder stage, on a feature
     x   <- x * h + x
 
 PCS is shared (aggregated); personalization comes from the site's own one-hot vector. Site contrast
-pushes site k's widened embedding away from the other sites' (computed with their one-hot vectors
-through the same widening, gradients stopped):
+(``contrast_on``) pushes site k's augmented embedding away from the other sites' (computed on the same
+image with their one-hot vectors through the same PCS, gradients stopped). The augmented embedding is
+the channel factor h itself (paper):
 
-    L_sc = - mean_{k' != k} || e_k - sg(e_k') ||_2
+    h_k'(x) = sigmoid(W_3 [GAP(x); e_k'] + b_3)  in (0, 1)^C
+    L_sc    = - mean_{samples, k' != k} || h_k(x) - sg(h_k'(x)) ||_2         in (-sqrt(C), 0]
+
+so L_sc is bounded and what it separates is what personalizes the network (the gates). Where its
+gradient goes is ours to choose (the paper does not say):
+
+    gate      (default) only into the site's own column of the first widening layer (the weights that
+              one-hot(k) reads). No other site's gate depends on them, so the stopped gates of the other
+              sites really stay where they are. The task loss still trains everything.
+    gate_all  into everything that computes h_k (encoder, widening, W_3, b_3). The other sites' gates
+              share all of that, so with their gradient stopped, any shift that moves every gate the same
+              way counts as progress. Under Adam this can drive the gates into saturation, where all
+              sites' gates coincide and L_sc returns to 0 (seen on tiny nets with Adam lr 1e-2: the
+              descriptor grew 70-fold and the gate distance fell to 1e-4..1e-6 within 20-200 steps at
+              lambda 1-10; at lambda 0.1, lr 1e-3 it rose, then shrank back within 400 steps).
+    embedding the same distance on the widened one-hot embeddings e_k, e_k' (the earlier form here); the
+              widening can scale them without limit, so L_sc is unbounded below.
 
 HC (head calibration): the coarse head phi_k is personal. Site k applies all sites' heads phi_1..phi_K to
 its own decoder feature f (B, F, H, W); the disagreement map is the per-class standard deviation of
@@ -33,8 +50,8 @@ Choices made here: distances are Euclidean; the standard deviation is the popula
 head gives U = 0); NMS returns the max-normalised map at the kept maxima and 0 elsewhere; the Gaussian
 kernel is scaled to a centre value of 1 (an isolated maximum of height v becomes a blob of height v) and
 the enlarged map is clipped to [0, 1]; a per-class map is reduced to one channel by the maximum over
-classes before it multiplies the feature. L_sc is unbounded below (the widening can scale the
-embeddings), which is why its weight is small.
+classes before it multiplies the feature. The gate forms of L_sc are bounded by sqrt(C) (C: channels of
+the last encoder stage); the embedding form is unbounded below.
 
 See ../shared/reference/ALGORITHMS.md section 4.
 """
@@ -52,24 +69,30 @@ State = Mapping[str, torch.Tensor]
 
 
 def site_contrast_loss(emb_k: torch.Tensor, emb_others: torch.Tensor) -> torch.Tensor:
-    """L_sc = - mean Euclidean distance of site k's widened embedding to the other sites'.
+    """L_sc = - mean Euclidean distance of site k's (augmented) embedding to the other sites'.
 
     Args:
-        emb_k: (E,) or (N, E) embedding(s) of site k (rows of a batch are the same site).
-        emb_others: (M, E) embeddings of the other sites; detached here (no gradient reaches them).
+        emb_k: (E,) or (N, E) embedding(s) or gates of site k, one row per sample.
+        emb_others: (M, E) the other sites' embeddings, the same for every row of ``emb_k``; or
+            (N, M, E), row n's own M counterparts (e.g. the gates of sample n under the other sites'
+            one-hot vectors). Detached here (no gradient reaches them).
 
     Returns:
-        Scalar; 0 (still attached to ``emb_k``) when there are no other sites.
+        Scalar, the mean over the N x M distances, negated; 0 (still attached to ``emb_k``) when there
+        are no other sites. For gates in (0, 1)^E it lies in (-sqrt(E), 0].
     """
     if emb_k.dim() == 1:
         emb_k = emb_k[None]
-    if emb_k.dim() != 2 or emb_others.dim() != 2 or emb_others.shape[1] != emb_k.shape[1]:
-        raise ValueError(
-            f"emb_k / emb_others: expected (N, E) and (M, E), got {tuple(emb_k.shape)} and {tuple(emb_others.shape)}"
-        )
-    if emb_others.shape[0] == 0:
+    shapes = f"{tuple(emb_k.shape)} and {tuple(emb_others.shape)}"
+    if emb_k.dim() != 2 or emb_others.dim() not in (2, 3) or emb_others.shape[-1] != emb_k.shape[1]:
+        raise ValueError(f"emb_k / emb_others: expected (N, E) and (M, E) or (N, M, E), got {shapes}")
+    if emb_others.dim() == 3 and emb_others.shape[0] != emb_k.shape[0]:
+        raise ValueError(f"emb_k / emb_others: (N, M, E) others need N = {emb_k.shape[0]} rows, got {shapes}")
+    if emb_others.shape[-2] == 0:
         return emb_k.sum() * 0.0
-    diff = emb_k[:, None, :] - emb_others.detach()[None, :, :]
+    others = emb_others.detach()
+    others = others[None] if others.dim() == 2 else others
+    diff = emb_k[:, None, :] - others
     dist = diff.pow(2).sum(dim=-1).clamp_min(1e-12).sqrt()
     return -dist.mean()
 
@@ -223,8 +246,11 @@ def average_shared(states: Sequence[State], keys: Sequence[str]) -> list[dict]:
     return [{k: (avg[k].clone() if k in avg else v) for k, v in s.items()} for s in states]
 
 
+CONTRAST_ON = ("gate", "gate_all", "embedding")
+
 STEP_DEFAULTS = {
     "lam": 0.1,  # site-contrast weight (paper 0.1; reference code 0)
+    "contrast_on": "gate",  # gate (PCS's channel factor h, own one-hot weights) | gate_all | embedding
     "hc": True,  # head calibration on/off
     "nms_window": 11,
     "nms_threshold": 0.2,
@@ -238,7 +264,43 @@ def _step_cfg(cfg: Mapping | None) -> dict:
     unknown = set(cfg) - set(STEP_DEFAULTS)
     if unknown:
         raise ValueError(f"cfg: unknown key(s) {sorted(unknown)}; known: {sorted(STEP_DEFAULTS)}")
-    return {**STEP_DEFAULTS, **cfg}
+    cfg = {**STEP_DEFAULTS, **cfg}
+    if cfg["contrast_on"] not in CONTRAST_ON:
+        raise ValueError(f"cfg: contrast_on must be one of {', '.join(CONTRAST_ON)}, got {cfg['contrast_on']!r}")
+    return cfg
+
+
+def site_contrast(
+    model: torch.nn.Module, parts: Mapping, site_index: int, n_sites: int, contrast_on: str = "gate"
+) -> torch.Tensor:
+    """L_sc of one forward pass of site ``site_index`` (module docstring).
+
+    Args:
+        model: an LC-Fed net with ``pcs`` (``pflseg.nets.lcfed.PCS``).
+        parts: ``model.parts(image, site_index)`` of this pass ("gate", "descriptor", "embedding").
+        site_index: k; the others are [0, n_sites) minus k.
+        n_sites: K.
+        contrast_on: ``gate`` / ``gate_all`` — the sample's gate h_k (B, C) against its gates under the
+            other sites' one-hot vectors (B, K - 1, C), computed without gradient; with ``gate`` the
+            gradient reaches only site k's own first-layer widening weights (``PCS.own_gate``), with
+            ``gate_all`` everything that computed ``parts["gate"]``. ``embedding`` — the widened
+            embedding e_k (B, E) against the others' (K - 1, E).
+
+    Returns:
+        Scalar.
+    """
+    if contrast_on not in CONTRAST_ON:
+        raise ValueError(f"contrast_on must be one of {', '.join(CONTRAST_ON)}, got {contrast_on!r}")
+    device = parts["embedding"].device
+    others = torch.tensor([j for j in range(n_sites) if j != site_index], dtype=torch.long, device=device)
+    if contrast_on == "embedding":
+        return site_contrast_loss(parts["embedding"], model.pcs.embed(others).detach())
+    with torch.no_grad():
+        other_gates = model.pcs.site_gates(parts["descriptor"].detach(), others)
+    if contrast_on == "gate_all":
+        return site_contrast_loss(parts["gate"], other_gates)
+    own = torch.full((parts["descriptor"].shape[0],), site_index, dtype=torch.long, device=device)
+    return site_contrast_loss(model.pcs.own_gate(parts["descriptor"], own), other_gates)
 
 
 def head_map(model: torch.nn.Module, feature: torch.Tensor, other_heads: Sequence[State], cfg: Mapping) -> torch.Tensor:
@@ -305,8 +367,9 @@ def lcfed_step(
             "bias": (C,)}``, applied to this site's own feature; with the site's own head they give the
             disagreement map (computed without gradient). Ignored when ``cfg["hc"]`` is False.
         site_index: k in [0, n_sites).
-        n_sites: K; the other sites' embeddings (for L_sc) use the one-hot vectors of [0, K) minus k.
-        cfg: keys of STEP_DEFAULTS.
+        n_sites: K; the other sites' gates / embeddings (for L_sc, :func:`site_contrast`) use the one-hot
+            vectors of [0, K) minus k.
+        cfg: keys of STEP_DEFAULTS (``contrast_on``: gate (default) | gate_all | embedding).
 
     Returns:
         ``{"loss": total, "sc": L_sc}`` (values before the step).
@@ -320,8 +383,7 @@ def lcfed_step(
     optimizer.zero_grad()
     out = model.parts(image, site_index)
     if model.pcs is not None:
-        others = torch.tensor([j for j in range(n_sites) if j != site_index], dtype=torch.long, device=image.device)
-        l_sc = site_contrast_loss(out["embedding"], model.pcs.embed(others).detach())
+        l_sc = site_contrast(model, out, site_index, n_sites, cfg["contrast_on"])
     else:
         l_sc = torch.zeros((), device=image.device)
     calib = None

@@ -6,13 +6,21 @@ routed model is a copy of that network in which every convolution and transposed
 
     r = router(GAP(layer input))  in R^E          W(x) = sum_e r_e W_e ,  b(x) = sum_e r_e b_e
 
-Routers (``router``):
-    paper    one linear map + sigmoid, coefficients normalised to sum 1; weights and bias start at 0, so
-             every layer starts exactly at the average of the experts (default).
-    refcode  the reference code's router: Linear(C, 2C) -> Dropout(0.2) -> Linear(2C, E) -> independent
-             sigmoids (no normalisation, default PyTorch init: it does not start at the average).
-    global   one learnable coefficient vector per layer shared by all samples (normalised sigmoids,
-             uniform start): the paper's "IOP-FL (Global)" ablation.
+Routers (``router``); what is the paper's and what is ours:
+    paper         per sample, per layer. Paper (Eq. 6): r = sigmoid(W GAP(x) + b), one linear map and an
+                  independent sigmoid per expert. Ours: r is divided by its sum (the mixed kernel is a
+                  convex combination of the experts), and W, b start at 0, which with that division
+                  puts every layer exactly at the experts' average (r_e = 1/E). Default.
+    refcode       per sample, per layer: the reference code's router, Linear(C, 2C) -> Dropout(0.2) ->
+                  Linear(2C, E) -> independent sigmoids (as Eq. 6; no normalisation, default PyTorch
+                  init: it does not start at the average).
+    model         the paper's "IOP-FL (Global)" ablation: ONE coefficient per expert, shared by every
+                  routed layer of the model and by all samples (a single (E,) Parameter). Paper: a
+                  sigmoid per coefficient, as in Eq. 6. Ours: the division by the sum and the zero start,
+                  so the routed model starts exactly at the experts' weight average.
+    layer_global  ours, not in the paper: one coefficient vector per layer, shared by all samples
+                  (normalised sigmoids, uniform start). Called ``global`` before; that name is refused
+                  now because it was not the paper's ablation.
 
 All E experts are in every routed layer and every router is trained (the reference code drops a source
 site in some layers and leaves the bottleneck routers untrained). The other parameters (normalisation,
@@ -47,7 +55,7 @@ from torch import nn
 
 from pflseg.algorithms.iopfl import average_states
 
-ROUTERS = ("paper", "refcode", "global")
+ROUTERS = ("paper", "refcode", "model", "layer_global")
 LOSS_WEIGHTS = ("paper", "refcode")
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _CONV_T = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
@@ -55,12 +63,18 @@ _NORM = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm,
 
 
 # ---------------------------------------------------------------------------------------------------
-# Routers: pooled layer input (B, C) -> coefficients (B, E) (or (1, E) for the global router)
+# Routers: pooled layer input (B, C) -> coefficients (B, E) (or (1, E) for the coefficient routers)
 # ---------------------------------------------------------------------------------------------------
 
 
 class PaperRouter(nn.Module):
-    """sigmoid(Linear(C, E)) normalised to sum 1; zero init = uniform 1/E."""
+    """sigmoid(Linear(C, E)) normalised to sum 1; zero init = uniform 1/E.
+
+    The linear map and independent sigmoids are the paper's (Eq. 6); the normalisation and the zero init
+    (exact start at the experts' average) are ours. (B, C) -> (B, E).
+    """
+
+    per_sample = True
 
     def __init__(self, in_channels: int, n_experts: int):
         super().__init__()
@@ -74,7 +88,9 @@ class PaperRouter(nn.Module):
 
 
 class RefcodeRouter(nn.Module):
-    """Linear(C, 2C) -> Dropout -> Linear(2C, E) -> independent sigmoids (reference code)."""
+    """Linear(C, 2C) -> Dropout -> Linear(2C, E) -> independent sigmoids (reference code). (B, C) -> (B, E)."""
+
+    per_sample = True
 
     def __init__(self, in_channels: int, n_experts: int, dropout: float = 0.2):
         super().__init__()
@@ -85,10 +101,17 @@ class RefcodeRouter(nn.Module):
         return torch.sigmoid(self.net(pooled))
 
 
-class GlobalRouter(nn.Module):
-    """One coefficient vector for every sample (normalised sigmoids, uniform start)."""
+class CoefficientRouter(nn.Module):
+    """Coefficients that ignore the input: r = sigmoid(l) / sum sigmoid(l), l (E,) starting at 0 (r = 1/E).
 
-    def __init__(self, in_channels: int, n_experts: int):
+    One instance per layer is ``layer_global``; ONE instance shared by every routed layer is ``model``
+    (the paper's "IOP-FL (Global)"). The sigmoid is the paper's (Eq. 6); the normalisation and the zero
+    start are ours. Output (1, E), the same for every sample.
+    """
+
+    per_sample = False
+
+    def __init__(self, n_experts: int):
         super().__init__()
         self.logits = nn.Parameter(torch.zeros(n_experts))
 
@@ -98,13 +121,17 @@ class GlobalRouter(nn.Module):
 
 
 def make_router(kind: str, in_channels: int, n_experts: int) -> nn.Module:
+    """A new router of ``kind`` for one layer (``model`` here is a layer's own vector; build_routed_model
+    shares one instance across the layers)."""
     if kind == "paper":
         return PaperRouter(in_channels, n_experts)
     if kind == "refcode":
         return RefcodeRouter(in_channels, n_experts)
-    if kind == "global":
-        return GlobalRouter(in_channels, n_experts)
-    raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {kind!r}")
+    if kind in ("layer_global", "model"):
+        return CoefficientRouter(n_experts)
+    hint = (" ('global' was renamed: 'model' is the paper's IOP-FL (Global), one coefficient per expert for"
+            " the whole model; 'layer_global' is one coefficient vector per layer)") if kind == "global" else ""
+    raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {kind!r}{hint}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -118,12 +145,14 @@ class RoutedConv(nn.Module):
     Args:
         experts: E modules of one type (``nn.Conv{1,2,3}d`` or ``nn.ConvTranspose{1,2,3}d``) and one
             configuration; their weights (and biases) become frozen buffers of shape (E, *weight.shape).
-        router: ``paper`` | ``refcode`` | ``global`` (see the module docstring).
+        router: ``paper`` | ``refcode`` | ``model`` | ``layer_global`` (see the module docstring), or a
+            router module to use as is (``build_routed_model(router="model")`` passes the one shared
+            :class:`CoefficientRouter` to every layer).
 
     Input (B, C_in, *spatial) -> output (B, C_out, *spatial_out), as the expert convolution would give.
     """
 
-    def __init__(self, experts: Sequence[nn.Module], router: str = "paper"):
+    def __init__(self, experts: Sequence[nn.Module], router: str | nn.Module = "paper"):
         super().__init__()
         first = experts[0]
         if not isinstance(first, _CONV + _CONV_T):
@@ -139,8 +168,12 @@ class RoutedConv(nn.Module):
         self.output_padding = first.output_padding if self.transposed else None
         self.register_buffer("weight", torch.stack([e.weight.detach() for e in experts]).clone())
         self.register_buffer("bias", torch.stack([e.bias.detach() for e in experts]).clone() if first.bias is not None else None)
-        self.router_kind = router
-        self.router = make_router(router, first.in_channels, len(experts))
+        if isinstance(router, nn.Module):
+            self.router_kind = "model" if isinstance(router, CoefficientRouter) else type(router).__name__
+            self.router = router
+        else:
+            self.router_kind = router
+            self.router = make_router(router, first.in_channels, len(experts))
 
     @property
     def n_experts(self) -> int:
@@ -160,7 +193,7 @@ class RoutedConv(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         r = self.coefficients(x)  # (B, E)
-        if self.router_kind == "global":  # one kernel for the whole batch: a plain convolution
+        if not getattr(self.router, "per_sample", True):  # one kernel for the whole batch: a plain convolution
             w = torch.einsum("e,e...->...", r[0], self.weight)
             b = r[0] @ self.bias if self.bias is not None else None
             return self._conv(x, w, b, self.groups)
@@ -204,7 +237,15 @@ def norm_affine_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def router_parameters(model: nn.Module) -> list[nn.Parameter]:
-    return [p for m in model.modules() if isinstance(m, RoutedConv) for p in m.router.parameters()]
+    """The routers' parameters, each once (the ``model`` router's one vector is shared by all layers)."""
+    seen, out = set(), []
+    for m in model.modules():
+        if isinstance(m, RoutedConv):
+            for p in m.router.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+    return out
 
 
 def build_routed_model(experts: Sequence[nn.Module], router: str = "paper", norm_affine: bool = False) -> nn.Module:
@@ -214,6 +255,16 @@ def build_routed_model(experts: Sequence[nn.Module], router: str = "paper", norm
     every other parameter and buffer is the experts' average; batch norm uses batch statistics. Only the
     routers (and, with ``norm_affine``, the norm layers' affine parameters) require gradients. The
     experts are not modified.
+
+    Args:
+        experts: E >= 2 networks of one architecture.
+        router: ``paper`` (default) | ``refcode`` | ``model`` | ``layer_global`` (module docstring). With
+            ``model`` every routed layer holds the SAME :class:`CoefficientRouter`: one (E,) Parameter for
+            the whole model (:func:`router_parameters` lists it once).
+        norm_affine: also train the normalisation layers' affine parameters.
+
+    Returns:
+        The routed model: input and output as the experts'.
     """
     if len(experts) < 2:
         raise ValueError(f"experts: need at least 2 networks to route between, got {len(experts)}")
@@ -228,10 +279,12 @@ def build_routed_model(experts: Sequence[nn.Module], router: str = "paper", norm
     targets = [name for name, m in model.named_modules() if isinstance(m, _CONV + _CONV_T)]
     if not targets:
         raise ValueError("experts: the network has no convolution to route")
+    make_router(router, 1, len(experts))  # checks the name before any work
+    shared = CoefficientRouter(len(experts)) if router == "model" else None
     for name in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, RoutedConv([m[name] for m in by_name], router))
+        setattr(parent, attr, RoutedConv([m[name] for m in by_name], shared if shared is not None else router))
     use_batch_stats(model)
     for p in norm_affine_parameters(model) if norm_affine else []:
         p.requires_grad_(True)

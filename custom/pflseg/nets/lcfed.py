@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from monai.networks.blocks import Convolution, ResidualUnit
 from torch import nn
+from torch.func import functional_call
 
 from pflseg.algorithms.lcfed import calibrate
 
@@ -55,7 +56,7 @@ class PCS(nn.Module):
     Linear -> LayerNorm -> ReLU -> Linear to ``embed_dim`` values (LayerNorm normalises the single vector
     over its features, i.e. instance normalisation of one sample, so it works with batch 1). The channel
     descriptor is the global average of the feature; ``[descriptor; widened e_k] -> Linear -> sigmoid``
-    gives a channel factor h and ``x <- x * h + x``.
+    gives a channel factor h (the gate, values in (0, 1)) and ``x <- x * h + x``.
 
     Args:
         channels: C, channels of the feature it acts on.
@@ -69,6 +70,7 @@ class PCS(nn.Module):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         self.n_sites = n_sites
+        self.channels = channels
         self.widen = nn.Sequential(
             nn.Linear(n_sites, embed_dim), nn.LayerNorm(embed_dim), nn.ReLU(), nn.Linear(embed_dim, embed_dim)
         )
@@ -79,13 +81,63 @@ class PCS(nn.Module):
         onehot = F.one_hot(site_index, self.n_sites).to(self.fc.weight.dtype)
         return self.widen(onehot)
 
-    def forward(self, x: torch.Tensor, site_index: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Args: x (B, C, H, W); site_index int or (B,). Returns (x * h + x (B, C, H, W), embedding (B, E))."""
+    def gate(self, descriptor: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
+        """Channel factor h = sigmoid(fc([descriptor; embedding])): (B, C) and (B, E) -> (B, C) in (0, 1)."""
+        return torch.sigmoid(self.fc(torch.cat([descriptor, embedding], dim=1)))
+
+    def site_gates(self, descriptor: torch.Tensor, site_index: torch.Tensor) -> torch.Tensor:
+        """The gates every sample would get under each of M sites' embeddings.
+
+        Args:
+            descriptor: (B, C) channel descriptors (global averages of the feature).
+            site_index: (M,) long site indices.
+
+        Returns:
+            (B, M, C): entry [b, m] is the gate of sample b computed with site ``site_index[m]``'s one-hot.
+        """
+        b, m = descriptor.shape[0], site_index.shape[0]
+        emb = self.embed(site_index)  # (M, E)
+        desc = descriptor[:, None, :].expand(b, m, descriptor.shape[1]).reshape(b * m, -1)
+        return self.gate(desc, emb[None].expand(b, m, emb.shape[1]).reshape(b * m, -1)).reshape(b, m, -1)
+
+    def own_gate(self, descriptor: torch.Tensor, site_index: torch.Tensor) -> torch.Tensor:
+        """The gate of each sample for its site, differentiable ONLY in the first widening layer's weight.
+
+        Same value as :meth:`gate` of the site's embedding; every other parameter (the rest of the
+        widening, ``fc``) and the descriptor enter detached. A one-hot input reads one column of that
+        weight, so the gradient reaches site k's own column only, which no other site's gate depends on
+        (the site-contrast term uses this: ``pflseg.algorithms.lcfed.site_contrast``).
+
+        Args:
+            descriptor: (B, C) channel descriptors.
+            site_index: (B,) long site indices.
+
+        Returns:
+            (B, C) gates in (0, 1).
+        """
+        params = {n: (p if n == "0.weight" else p.detach()) for n, p in self.widen.named_parameters()}
+        onehot = F.one_hot(site_index, self.n_sites).to(self.fc.weight.dtype)
+        emb = functional_call(self.widen, params, (onehot,))
+        z = F.linear(torch.cat([descriptor.detach(), emb], dim=1), self.fc.weight.detach(), self.fc.bias.detach())
+        return torch.sigmoid(z)
+
+    def select(self, x: torch.Tensor, site_index: int | torch.Tensor) -> dict:
+        """Args: x (B, C, H, W); site_index int or (B,).
+
+        Returns:
+            ``{"output": x * h + x (B, C, H, W), "embedding": widened e_k (B, E), "gate": h (B, C),
+            "descriptor": GAP(x) (B, C)}``.
+        """
         idx = _site_indices(site_index, x.shape[0], self.n_sites, x.device)
         emb = self.embed(idx)
         desc = x.mean(dim=(2, 3))
-        h = torch.sigmoid(self.fc(torch.cat([desc, emb], dim=1)))[:, :, None, None]
-        return x * h + x, emb
+        h = self.gate(desc, emb)
+        return {"output": x * h[:, :, None, None] + x, "embedding": emb, "gate": h, "descriptor": desc}
+
+    def forward(self, x: torch.Tensor, site_index: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Args: x (B, C, H, W); site_index int or (B,). Returns (x * h + x (B, C, H, W), embedding (B, E))."""
+        out = self.select(x, site_index)
+        return out["output"], out["embedding"]
 
 
 class LCFedNet(nn.Module):
@@ -158,19 +210,23 @@ class LCFedNet(nn.Module):
 
         Returns:
             ``{"feature": (B, F, H, W) decoder feature before the heads, "coarse": (B, C, H, W) coarse
-            logits, "embedding": (B, E) PCS's widened site embedding, or None without PCS}``.
+            logits, and PCS's "embedding": (B, E) widened site embedding, "gate": (B, C_last) channel
+            factor h in (0, 1), "descriptor": (B, C_last) GAP of the last encoder stage's output — each
+            None without PCS}``.
         """
         skips = []
         x = image
         for stage in self.encoder:
             x = stage(x)
             skips.append(x)
-        emb = None
+        pcs = {"embedding": None, "gate": None, "descriptor": None}
         if self.pcs is not None:
-            x, emb = self.pcs(x, self.site if site_index is None else site_index)
+            sel = self.pcs.select(x, self.site if site_index is None else site_index)
+            x = sel.pop("output")
+            pcs.update(sel)
         for up, dec, skip in zip(self.up, self.decoder, reversed(skips[:-1])):
             x = dec(torch.cat([up(x), skip], dim=1))
-        return {"feature": x, "coarse": self.head(x), "embedding": emb}
+        return {"feature": x, "coarse": self.head(x), **pcs}
 
     def calibrated_logits(self, feature: torch.Tensor, umap: torch.Tensor) -> torch.Tensor:
         """HC: calibrated logits (B, C, H, W) from the feature (B, F, H, W) and a disagreement map

@@ -6,14 +6,14 @@ import torch
 from torch import nn
 
 from pflseg.algorithms.alignment import DomainDiscriminator, adversarial_alignment, coral, mmd
-from pflseg.algorithms.grace_meta import feature_layer, meta_step, unet_features
+from pflseg.algorithms.grace_meta import feature_layer, frozen_features, inner_update, meta_step, unet_features
 from pflseg.nets import build_unet
 from pflseg.train import Hooks, build_loss, train_epochs
 
 
-def tiny_unet(seed=0):
+def tiny_unet(seed=0, norm="batch"):
     torch.manual_seed(seed)
-    return build_unet({"channels": [4, 8], "strides": [2], "norm": "batch"})
+    return build_unet({"channels": [4, 8], "strides": [2], "norm": norm})
 
 
 def make_batch(b=4, seed=0, size=16):
@@ -104,7 +104,7 @@ def test_beta_zero_no_split_is_sgd_with_the_gradient_taken_at_theta_prime():
     expected = [t - lr * g for t, g in zip(params(model), grads_prime)]
 
     meta_step(model, batch, torch.optim.SGD(model.parameters(), lr=lr), loss_fn,
-              inner_lr=inner_lr, beta=0.0, align_fn=None, global_model=None, split=False)
+              inner_lr=inner_lr, beta=0.0, align_fn=None, global_model=None, split=False, inner="sgd")
     for got, want, g in zip(params(model), expected, grads):
         assert torch.allclose(got, want, atol=1e-6)
     plain = [t - lr * g for t, g in zip(params(TinyNet()), grads)]
@@ -121,7 +121,7 @@ def test_running_statistics_are_updated_once_by_the_meta_test_forward():
             p.sub_(0.5 * g)
         probe(batch["image"])
     meta_step(model, batch, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn,
-              inner_lr=0.5, beta=0.0, align_fn=None, global_model=None, split=False)
+              inner_lr=0.5, beta=0.0, align_fn=None, global_model=None, split=False, inner="sgd")
     for (key, buf), ref in zip(model.named_buffers(), probe.buffers()):
         assert torch.allclose(buf, ref, atol=1e-6), key
     assert all(int(b) == 1 for k, b in model.named_buffers() if k.endswith("num_batches_tracked"))
@@ -141,7 +141,7 @@ def test_split_uses_first_half_for_meta_train_and_second_half_for_meta_test():
     expected = [t - 0.1 * g for t, g in zip(params(model), grads_prime)]
 
     value = meta_step(model, batch, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn,
-                      inner_lr=0.5, beta=0.0, align_fn=None, global_model=None)
+                      inner_lr=0.5, beta=0.0, align_fn=None, global_model=None, inner="sgd")
     assert value == pytest.approx(meta_loss.item())
     for got, want in zip(params(model), expected):
         assert torch.allclose(got, want, atol=1e-6)
@@ -206,6 +206,7 @@ def test_fits_the_training_loop_hook():
         ({"beta": float("nan")}, "beta"),
         ({"beta": 1.0, "align_fn": None}, "align_fn"),
         ({"beta": 1.0, "global_model": None}, "global_model"),
+        ({"inner": "rmsprop"}, "inner"),
     ],
 )
 def test_bad_arguments_are_named_and_model_is_untouched(kwargs, match):
@@ -231,3 +232,124 @@ def test_failure_restores_parameters_and_buffers():
                   inner_lr=0.1, beta=0.0, align_fn=None, global_model=None)
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key
+
+
+# --- the inner step ---------------------------------------------------------------------------------
+
+
+def test_sgd_inner_update_is_minus_lr_times_the_gradient():
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
+    g = torch.tensor([0.5, -4.0, 0.0])
+    (delta,) = inner_update([p], [g], torch.optim.SGD([p], lr=1.0), 0.1, "sgd")
+    assert torch.allclose(delta, torch.tensor([-0.05, 0.4, 0.0]))
+    assert inner_update([p], [None], torch.optim.SGD([p], lr=1.0), 0.1, "sgd") == [None]
+
+
+@pytest.mark.parametrize("make_opt", [lambda ps: torch.optim.Adam(ps, lr=1.0, eps=1e-8),
+                                      lambda ps: torch.optim.SGD(ps, lr=1.0, momentum=0.9)])
+def test_adam_inner_update_on_an_empty_state_is_adams_first_step(make_opt):
+    # prepare: no second moments yet (fresh Adam; SGD never has any): step = -lr g / (|g| + eps)
+    p = torch.nn.Parameter(torch.zeros(3))
+    g = torch.tensor([0.5, -4.0, 0.0])
+    # execute
+    (delta,) = inner_update([p], [g], make_opt([p]), 1e-3, "adam")
+    # assert: a sign-like step of size lr wherever the gradient is not ~0, unlike SGD's lr |g|
+    assert torch.allclose(delta, -1e-3 * g / (g.abs() + 1e-8), rtol=1e-6, atol=0)
+    assert torch.allclose(delta, torch.tensor([-1e-3, 1e-3, 0.0]), rtol=1e-6)
+
+
+def test_adam_inner_update_uses_the_outer_optimizers_bias_corrected_second_moment():
+    # prepare: one outer Adam step with gradient g0 leaves exp_avg_sq = (1 - b2) g0^2, step = 1
+    b2, eps, lr = 0.99, 1e-8, 1e-3
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.Adam([p], lr=0.1, betas=(0.9, b2), eps=eps)
+    g0 = torch.tensor([2.0, 1.0])
+    p.grad = g0.clone()
+    opt.step()
+    g = torch.tensor([1.0, 1.0])
+    # execute
+    (delta,) = inner_update([p], [g], opt, lr, "adam")
+    # assert: the denominator Adam's next step would use: v' = b2 (1 - b2) g0^2 + (1 - b2) g^2, / (1 - b2^2)
+    v = (b2 * (1 - b2) * g0**2 + (1 - b2) * g**2) / (1 - b2**2)
+    assert torch.allclose(delta, -lr * g / (v.sqrt() + eps), rtol=1e-6)
+    assert delta[0].abs() < delta[1].abs() < lr * 1.0001  # the large past gradient shrinks the step
+    assert int(opt.state[p]["step"]) == 1  # the optimizer state is read, not written
+
+
+def _inner_norm(make_opt, inner, model=None):
+    model = model or tiny_unet()
+    record = {}
+    meta_step(model, make_batch(), make_opt(model.parameters()), build_loss("dice_ce"), inner_lr=1e-3, beta=0.0,
+              align_fn=None, global_model=None, split=False, inner=inner, record=record)
+    assert record["inner_steps"] == 1
+    return record["inner_norm_sum"]
+
+
+def test_adam_inner_step_length_is_of_the_order_of_lr_sqrt_n_and_dwarfs_the_sgd_one():
+    n = sum(p.numel() for p in tiny_unet().parameters())
+    adam = _inner_norm(lambda ps: torch.optim.Adam(ps, lr=1e-3), "adam")
+    sgd = _inner_norm(lambda ps: torch.optim.Adam(ps, lr=1e-3), "sgd")
+    assert 0.5 * 1e-3 * n**0.5 < adam <= 1e-3 * n**0.5  # every coordinate moves by at most lr
+    assert adam > 10 * sgd
+
+    # the SGD length is exactly lr ||grad L(theta; B)||
+    probe = tiny_unet()
+    batch = make_batch()
+    grads = torch.autograd.grad(build_loss("dice_ce")(probe(batch["image"]), batch["label"]), list(probe.parameters()))
+    assert sgd == pytest.approx(1e-3 * float(torch.sqrt(sum(g.pow(2).sum() for g in grads))), rel=1e-4)
+
+
+def test_record_accumulates_over_calls_and_counts_zero_steps():
+    model, record = tiny_unet(), {"inner_norm_sum": 0.0, "inner_steps": 0}
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for inner_lr in (1e-3, 1e-3, 0.0):
+        meta_step(model, make_batch(), opt, build_loss("dice"), inner_lr=inner_lr, beta=0.0, align_fn=None,
+                  global_model=None, record=record)
+    assert record["inner_steps"] == 3 and record["inner_norm_sum"] > 0
+    once = {}
+    meta_step(tiny_unet(), make_batch(), opt, build_loss("dice"), inner_lr=0.0, beta=0.0, align_fn=None,
+              global_model=None, record=once)
+    assert once == {"inner_norm_sum": 0.0, "inner_steps": 1}
+
+
+# --- the frozen global model's normalisation mode --------------------------------------------------
+
+
+@pytest.mark.parametrize("norm", ["batch", "instance"])
+def test_alignment_is_zero_when_the_local_model_is_the_global_model(norm):
+    # prepare: theta = phi_g; the global model is frozen in eval mode as the site sets it up
+    model = tiny_unet(seed=0, norm=norm)
+    global_model = copy.deepcopy(model).eval().requires_grad_(False)
+    global_before = state(global_model)
+    seen = []
+
+    def spy(f_local, f_global):
+        value = coral(f_local, f_global)
+        seen.append(float(value.detach()))
+        return value
+
+    # execute: theta' = theta (inner_lr = 0), so L_align compares phi_g with itself
+    meta_step(model, make_batch(), torch.optim.SGD(model.parameters(), lr=0.1), build_loss("dice"), inner_lr=0.0,
+              beta=1.0, align_fn=spy, global_model=global_model, feature_fn=unet_features)
+    # assert: same normalisation (batch statistics of B2 on both sides) -> identical features
+    assert len(seen) == 1 and seen[0] < 1e-10
+    assert not global_model.training and all(not m.training for m in global_model.modules())
+    for key, value in global_model.state_dict().items():  # running statistics did not drift
+        assert torch.equal(value, global_before[key]), key
+
+
+def test_frozen_features_follow_the_local_models_mode():
+    model = tiny_unet()
+    with torch.no_grad():
+        model(torch.randn(8, 1, 16, 16) * 3 + 1)  # running statistics != the batch's
+    global_model = copy.deepcopy(model).train()
+    images = make_batch()["image"]
+    for mode in (True, False):
+        model.train(mode)
+        with torch.no_grad():
+            expected, _ = unet_features(copy.deepcopy(model), images)
+        assert torch.allclose(frozen_features(global_model, model, unet_features, images), expected, atol=1e-6)
+    assert global_model.training
+    train_feats = frozen_features(global_model, model.train(), unet_features, images)
+    eval_feats = frozen_features(global_model, model.eval(), unet_features, images)
+    assert not torch.allclose(train_feats, eval_feats, atol=1e-3)  # the mode really matters here

@@ -22,7 +22,7 @@ from pflseg.algorithms.lcfed import (
     uncertainty_map,
 )
 from pflseg.nets import build_net
-from pflseg.nets.lcfed import PCS, personal_keys
+from pflseg.nets.lcfed import PCS, personal_keys, shared_keys
 
 # --- site contrast ---------------------------------------------------------------------------------
 
@@ -32,6 +32,14 @@ def test_site_contrast_is_minus_the_mean_distance():
     others = torch.tensor([[3.0, 4.0], [1.0, 0.0]])
     assert torch.allclose(site_contrast_loss(emb_k, others), torch.tensor(-3.0))
     assert site_contrast_loss(emb_k, torch.zeros(0, 2)) == 0
+
+
+def test_site_contrast_with_per_sample_others():
+    emb_k = torch.tensor([[0.0, 0.0], [1.0, 1.0]])
+    others = torch.tensor([[[3.0, 4.0], [0.0, 1.0]], [[1.0, 1.0], [1.0, 3.0]]])  # (N=2, M=2, E=2)
+    assert torch.allclose(site_contrast_loss(emb_k, others), torch.tensor(-(5.0 + 1.0 + 0.0 + 2.0) / 4))
+    with pytest.raises(ValueError, match="rows"):
+        site_contrast_loss(emb_k, others[:1])
 
 
 def _pcs_sc_gradient(lam, k=1, n_sites=3):
@@ -174,16 +182,34 @@ def test_lcfed_step_lowers_the_loss_on_a_tiny_batch():
     assert net.calib_head.weight.grad.abs().sum() > 0
 
 
-def test_lcfed_step_without_hc_is_coarse_dice_plus_weighted_site_contrast():
+def _hand_gate_contrast(net, image, k, n_sites):
+    """L_sc by hand: encoder -> GAP -> sigmoid(fc([desc; widened one-hot(j)])) for every site j, then
+    minus the mean distance of site k's gates to the others' (per sample)."""
+    x = image
+    for stage in net.encoder:
+        x = stage(x)
+    desc = x.mean(dim=(2, 3))
+    gates = [torch.sigmoid(net.pcs.fc(torch.cat([desc, net.pcs.embed(torch.full((len(desc),), j))], 1)))
+             for j in range(n_sites)]
+    dists = [(gates[k] - gates[j]).norm(dim=1) for j in range(n_sites) if j != k]
+    return -torch.stack(dists).mean()
+
+
+@pytest.mark.parametrize("contrast_on", [None, "gate", "gate_all", "embedding"])
+def test_lcfed_step_without_hc_is_coarse_dice_plus_weighted_site_contrast(contrast_on):
     net, (image, label), dice, heads = _step_setup()
     ref = copy.deepcopy(net).train()
     with torch.no_grad():
         out = ref.parts(image, 0)
-        sc = site_contrast_loss(out["embedding"], ref.pcs.embed(torch.tensor([1, 2])))
+        if contrast_on == "embedding":
+            sc = site_contrast_loss(out["embedding"], ref.pcs.embed(torch.tensor([1, 2])))
+        else:  # default: the gates
+            sc = _hand_gate_contrast(ref, image, 0, 3)
         expected = dice(out["coarse"], label) + 0.5 * sc
 
     opt = torch.optim.SGD(net.parameters(), lr=0.0)
-    got = lcfed_step(net, (image, label), opt, dice, heads, 0, 3, {"hc": False, "lam": 0.5})
+    cfg = {"hc": False, "lam": 0.5, **({"contrast_on": contrast_on} if contrast_on else {})}
+    got = lcfed_step(net, (image, label), opt, dice, heads, 0, 3, cfg)
     assert math.isclose(got["loss"], float(expected), rel_tol=1e-5) and math.isclose(got["sc"], float(sc), rel_tol=1e-5)
     assert net.calib_head.weight.grad is None
 
@@ -193,7 +219,7 @@ def test_lcfed_step_with_only_its_own_head_calibrates_nothing():
     ref = copy.deepcopy(net).train()
     with torch.no_grad():
         out = ref.parts(image, 2)
-        sc = site_contrast_loss(out["embedding"], ref.pcs.embed(torch.tensor([0, 1])))
+        sc = _hand_gate_contrast(ref, image, 2, 3)
         expected = dice(out["coarse"], label) + dice(ref.calib_head(out["feature"]), label) + 0.1 * sc
 
     opt = torch.optim.SGD(net.parameters(), lr=0.0)
@@ -201,6 +227,8 @@ def test_lcfed_step_with_only_its_own_head_calibrates_nothing():
     assert math.isclose(got["loss"], float(expected), rel_tol=1e-5)
     with pytest.raises(ValueError, match="cfg"):
         lcfed_step(net, (image, label), opt, dice, [], 2, 3, {"lambda": 0.1})
+    with pytest.raises(ValueError, match="contrast_on"):
+        lcfed_step(net, (image, label), opt, dice, [], 2, 3, {"contrast_on": "logits"})
 
 
 def test_head_then_body_phases_train_only_their_part():
@@ -230,3 +258,106 @@ def test_site_predictor_gives_calibrated_logits_and_coarse_without_hc():
         umap = head_map(net, out["feature"], heads, {**STEP_DEFAULTS, "nms_window": 5})
         assert torch.allclose(SitePredictor(net, 1, heads, {"nms_window": 5})(image), net.calibrated_logits(out["feature"], umap))
         assert torch.equal(SitePredictor(net, 1, heads, {"hc": False})(image), out["coarse"])
+
+
+# --- site contrast on the gates: bounded, and personalization survives aggregation -----------------
+
+
+def _tiny_pcs_net(seed=0):
+    torch.manual_seed(seed)  # PCS acts on C = 4 channels: gates in (0, 1)^4, distances < 2
+    return build_net({"name": "lcfed", "n_sites": 3, "channels": [2, 4], "strides": [2], "embed_dim": 6})
+
+
+def _tiny_data(seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 1, 8, 8, generator=gen), (torch.rand(2, 1, 8, 8, generator=gen) > 0.5).float()
+
+
+def _contrast_run(contrast_on, steps, lam=10.0):
+    net, batch = _tiny_pcs_net(), _tiny_data(1)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    cfg = {"hc": False, "lam": lam, "contrast_on": contrast_on}
+    return [lcfed_step(net, batch, opt, DiceLoss(sigmoid=True, batch=True), [], 1, 3, cfg)["sc"] for _ in range(steps)]
+
+
+def test_gate_contrast_stays_within_its_bound_over_200_steps_with_a_large_weight():
+    bound = 4**0.5  # the largest distance between two gates in (0, 1)^4
+    sc = _contrast_run("gate", 200)
+    assert all(-bound <= v <= 0 for v in sc), (min(sc), max(sc))
+
+
+def test_embedding_contrast_leaves_that_bound():  # why it is not the default: the widening grows without limit
+    assert min(_contrast_run("embedding", 60)) < -4**0.5
+
+
+def test_gate_contrast_moves_only_the_sites_own_one_hot_weights_and_keeps_the_others_gates():
+    # prepare: no task loss, so one SGD step is the contrast's alone
+    def no_task(logits, label):
+        return logits.sum() * 0.0
+
+    image, label = _tiny_data(2)
+    k = 1
+    results = {}
+    for contrast_on in ("gate", "gate_all"):
+        net = _tiny_pcs_net()
+        before = {n: p.detach().clone() for n, p in net.named_parameters()}
+        with torch.no_grad():
+            gates_before = [net.parts(image, j)["gate"] for j in range(3)]
+        # execute
+        lcfed_step(net, (image, label), torch.optim.SGD(net.parameters(), lr=1.0), no_task, [], k, 3,
+                   {"hc": False, "lam": 1.0, "contrast_on": contrast_on})
+        with torch.no_grad():
+            gates_after = [net.parts(image, j)["gate"] for j in range(3)]
+        changed = {n for n, p in net.named_parameters() if not torch.equal(p, before[n])}
+        results[contrast_on] = (changed, gates_before, gates_after, net, before)
+
+    # assert: `gate` changes column k of the first widening layer only; the others' gates stay exactly put
+    changed, g0, g1, net, before = results["gate"]
+    assert changed == {"pcs.widen.0.weight"}
+    w_diff = (net.pcs.widen[0].weight - before["pcs.widen.0.weight"]).abs().sum(dim=0)
+    assert w_diff[k] > 0 and w_diff[0] == 0 and w_diff[2] == 0
+    assert torch.equal(g1[0], g0[0]) and torch.equal(g1[2], g0[2])
+
+    def spread(gates):
+        return sum(float((gates[k] - gates[j]).norm(dim=1).mean()) for j in (0, 2))
+
+    assert spread(g1) > spread(g0)  # site k's gate moved away from the (fixed) others
+    # `gate_all` also moves the shared computation, so the others' "stopped" gates move with it
+    changed_all, h0, h1, _, _ = results["gate_all"]
+    assert {"pcs.fc.weight", "pcs.fc.bias"} <= changed_all and not torch.equal(h1[0], h0[0])
+
+
+def test_personalization_survives_averaging_the_shared_parameters():
+    # prepare: two sites start from the same model and train locally, each on its own data, with its index
+    base = _tiny_pcs_net()
+    image = _tiny_data(9)[0]
+
+    def gate_gap(net):
+        net.eval()
+        with torch.no_grad():
+            return float((net.parts(image, 0)["gate"] - net.parts(image, 1)["gate"]).norm(dim=1).mean())
+
+    def round_then_average(lam):
+        copies = []
+        for k in (0, 1):
+            net = copy.deepcopy(base)
+            opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+            batch = _tiny_data(k + 3)
+            for _ in range(30):
+                lcfed_step(net, batch, opt, DiceLoss(sigmoid=True, batch=True), [], k, 3,
+                           {"hc": False, "lam": lam})
+            copies.append(net)
+        # execute: the server's plain average of the shared parameters (PCS included)
+        states = average_shared([c.state_dict() for c in copies], shared_keys(base))
+        merged = copy.deepcopy(base)
+        merged.load_state_dict(states[0])
+        return merged, states
+
+    merged, states = round_then_average(lam=1.0)
+    # assert: after aggregation, one shared model whose gates still depend on the site index, and the
+    # separation the contrast built at the sites is still there
+    assert all(torch.equal(states[0][key], states[1][key]) for key in shared_keys(base))
+    gap, gap_start = gate_gap(merged), gate_gap(copy.deepcopy(base))
+    gap_no_contrast = gate_gap(round_then_average(0.0)[0])
+    assert gap > 1e-2  # measured: 0.111, from 0.086 at the start; 0.062 merged after training without contrast
+    assert gap > gap_start and gap > 1.5 * gap_no_contrast, (gap, gap_start, gap_no_contrast)

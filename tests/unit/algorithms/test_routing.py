@@ -5,6 +5,7 @@ from torch import nn
 from pflseg.algorithms.iopfl import average_states
 from pflseg.algorithms.routing import (
     BestPredictions,
+    CoefficientRouter,
     RoutedConv,
     build_routed_model,
     entropy,
@@ -49,7 +50,7 @@ def test_every_conv_is_routed_over_all_experts():
     assert any(m.transposed for m in layers)
 
 
-@pytest.mark.parametrize("router", ["paper", "global"])
+@pytest.mark.parametrize("router", ["paper", "model", "layer_global"])
 def test_initial_routed_model_equals_averaged_model(router):
     nets = experts()
     x = torch.randn(4, 1, 16, 16)
@@ -59,6 +60,17 @@ def test_initial_routed_model_equals_averaged_model(router):
     assert not torch.allclose(routed(x), use_batch_stats(nets[0]).eval()(x), atol=1e-3)
 
 
+def _expert_kernels_in_average(nets, e):
+    """Expected model when every routed layer picks expert e: its convolutions, all else the average."""
+    state = average_states([n.state_dict() for n in nets])
+    for name, m in nets[e].named_modules():
+        if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d)):
+            state.update({f"{name}.{k}": v for k, v in m.state_dict().items()})
+    expert = build_net(NET)
+    expert.load_state_dict(state)
+    return use_batch_stats(expert).eval()
+
+
 def test_one_hot_router_gives_that_experts_output():
     nets = experts()
     routed = build_routed_model(nets).eval()
@@ -66,15 +78,44 @@ def test_one_hot_router_gives_that_experts_output():
         for m in routed.modules():
             if isinstance(m, RoutedConv):
                 m.router.fc.bias.copy_(torch.tensor([-float("inf"), float("inf"), -float("inf")]))
-    # expected: expert 1's kernels, every other parameter the experts' average (as in the routed model)
-    state = average_states([n.state_dict() for n in nets])
-    for name, m in nets[1].named_modules():
-        if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d)):
-            state.update({f"{name}.{k}": v for k, v in m.state_dict().items()})
-    expert = build_net(NET)
-    expert.load_state_dict(state)
     x = torch.randn(3, 1, 16, 16)
-    assert torch.allclose(routed(x), use_batch_stats(expert).eval()(x), atol=1e-5)
+    assert torch.allclose(routed(x), _expert_kernels_in_average(nets, 1)(x), atol=1e-5)
+
+
+def test_model_router_is_one_coefficient_vector_shared_by_every_layer():
+    # prepare
+    nets = experts()
+    routed = build_routed_model(nets, router="model")
+    layers = [m for m in routed.modules() if isinstance(m, RoutedConv)]
+    # assert: one router module and one (E,) Parameter for the whole model
+    assert len(layers) > 1 and all(m.router is layers[0].router for m in layers)
+    assert isinstance(layers[0].router, CoefficientRouter)
+    params = router_parameters(routed)
+    assert len(params) == 1 and params[0].shape == (3,) and params[0] is layers[0].router.logits
+    assert len(router_parameters(build_routed_model(nets, router="layer_global"))) == len(layers)  # per layer
+    # execute: gradients of every layer accumulate in that one vector
+    routed(torch.randn(2, 1, 16, 16)).pow(2).mean().backward()
+    assert params[0].grad is not None and params[0].grad.abs().sum() > 0
+    # setting it once routes every layer: one-hot on expert 2 gives expert 2's kernels everywhere
+    with torch.no_grad():
+        params[0].copy_(torch.tensor([-float("inf"), -float("inf"), float("inf")]))
+    x = torch.randn(3, 1, 16, 16)
+    assert torch.allclose(routed.eval()(x), _expert_kernels_in_average(nets, 2)(x), atol=1e-5)
+    assert all(torch.equal(m.coefficients(x), torch.tensor([[0.0, 0.0, 1.0]]).expand(3, 3)) for m in layers)
+
+
+def test_model_router_trains_with_adam_and_stays_shared_after_a_copy():
+    import copy
+
+    routed = build_routed_model(experts(), router="model")
+    params = router_parameters(routed)
+    opt = torch.optim.Adam(params, lr=0.1)
+    unsupervised_loss(routed, torch.randn(2, 1, 16, 16), loss_weights("paper"))[0].mean().backward()
+    opt.step()
+    assert not torch.equal(params[0], torch.zeros(3))
+    twin = copy.deepcopy(routed)
+    routers = {id(m.router) for m in twin.modules() if isinstance(m, RoutedConv)}
+    assert len(routers) == 1 and len(router_parameters(twin)) == 1
 
 
 @pytest.mark.parametrize("norm_affine", [False, True])
@@ -135,6 +176,8 @@ def test_unsupervised_loss_is_per_sample_and_trains_the_routers():
     assert all(p.grad is not None for p in router_parameters(routed))
 
 
-def test_bad_router_is_named():
+def test_bad_router_is_named_and_the_old_global_name_points_to_the_new_ones():
     with pytest.raises(ValueError, match="router"):
         build_routed_model(experts(2), router="mlp")
+    with pytest.raises(ValueError, match="'model' is the paper's IOP-FL \\(Global\\)"):
+        build_routed_model(experts(2), router="global")

@@ -18,10 +18,12 @@ def tiny_net(**over):
 def test_forward_shapes_for_one_and_two_class_outputs(out_channels):
     net = tiny_net(out_channels=out_channels)
     out = net.parts(torch.randn(2, 1, 32, 48), 1)
-    assert set(out) == {"feature", "coarse", "embedding"}
+    assert set(out) == {"feature", "coarse", "embedding", "gate", "descriptor"}
     assert out["feature"].shape == (2, 4, 32, 48)
     assert out["coarse"].shape == (2, out_channels, 32, 48)
     assert out["embedding"].shape == (2, 6)
+    assert out["gate"].shape == out["descriptor"].shape == (2, 8)  # channels of the last encoder stage
+    assert ((out["gate"] > 0) & (out["gate"] < 1)).all()
     assert net.calibrated_logits(out["feature"], torch.zeros(2, out_channels, 32, 48)).shape == (2, out_channels, 32, 48)
 
 
