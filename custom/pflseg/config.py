@@ -95,18 +95,21 @@ def validate(cfg: Mapping, source: str = "config") -> None:
         raise ConfigError(f"{source}: fedsm.extra_rounds must be >= 0 and every fedsm.gammas value in [0, 1]")
     grace = cfg["grace"]
     choices = {"similarity": ("total", "split", "reweight"), "self_similarity": ("include", "exclude"),
-               "align": ("coral", "mmd", "adv")}
+               "align": ("coral", "mmd", "adv"), "inner_step": ("adam", "sgd")}
     for key, allowed in choices.items():
         if grace[key] not in allowed:
             raise ConfigError(f"{source}: grace.{key} must be one of {', '.join(allowed)}, got {grace[key]!r}")
     iopfl = cfg["iopfl"]
-    choices = {"rule": ("ema", "paper_eq4"), "router": ("paper", "refcode"), "loss_weights": ("paper", "refcode")}
+    choices = {"rule": ("ema", "paper_eq4"), "router": ("paper", "refcode", "model", "layer_global"),
+               "loss_weights": ("paper", "refcode")}
     for key, allowed in choices.items():
         if iopfl[key] not in allowed:
             raise ConfigError(f"{source}: iopfl.{key} must be one of {', '.join(allowed)}, got {iopfl[key]!r}")
     if not 0.0 <= iopfl["tau"] <= 1.0 or iopfl["epochs"] < 1 or iopfl["shape_radius"] < 1 or iopfl["batch_size"] < 1:
         raise ConfigError(f"{source}: iopfl.tau must lie in [0, 1] and iopfl.epochs, shape_radius, batch_size be >= 1")
     lcfed = cfg["lcfed"]
+    if lcfed["contrast_on"] not in ("gate", "gate_all", "embedding"):
+        raise ConfigError(f"{source}: lcfed.contrast_on must be one of gate, gate_all, embedding, got {lcfed['contrast_on']!r}")
     if lcfed["lam"] < 0 or lcfed["head_first_iters"] < 0 or not 0.0 <= lcfed["nms_threshold"] < 1.0:
         raise ConfigError(f"{source}: lcfed.lam and lcfed.head_first_iters must be >= 0, lcfed.nms_threshold in [0, 1)")
     if any(lcfed[k] < 1 or lcfed[k] % 2 == 0 for k in ("nms_window", "gauss_size")) or lcfed["gauss_sigma"] < 0:

@@ -61,7 +61,7 @@ def test_routing_at_an_outside_site_writes_predictions_and_metrics(trained, tmp_
               iopfl={"bundle": str(ws / "state" / "server" / "iopfl"), "epochs": 1})
     assert res["inside_sites"] == ["site-1", "site-2"] and res["targets"] == ["site-3"]
     out = res["route"]["site-3"]
-    assert sorted(out["methods"]) == sorted(["global", "average", "ensemble", "tent", "routing_global", "routing"])
+    assert sorted(out["methods"]) == sorted(["global", "average", "ensemble", "tent", "routing_global", "routing_layer", "routing"])
     for m in out["methods"].values():
         assert 0.0 <= m["dice"] <= 1.0 and len(m["per_case"]) == out["n_cases"]
     assert out["seconds_per_sample"] > 0

@@ -48,7 +48,7 @@ def run_one(ws: Path, root: Path, inside: list[str], held_out: str, variant: str
     cfg = res["config"]
     store = RoundStore(ws / "state" / "server" / "grace")
     net = build_net(cfg["net"])
-    net.load_state_dict(unprefixed("best", store.load(store.latest())))
+    net.load_state_dict(unprefixed("best", store.final()))
     outside = evaluate(net, site_dataset(root, held_out, "testing", size=cfg["data"]["size"]), torch.device("cpu"))
     return {
         "generalization": outside["dice"],

@@ -50,7 +50,7 @@ def measure(workspace: str | Path, rounds: int = 20, task: str = "prostate", see
     for site in inside:
         models[f"local:{site}"] = unprefixed("model", load_file(ws / "local" / "state" / site / "local" / "best.pt"))
     store = RoundStore(ws / "fedavg" / "state" / "server" / "fedavg")
-    models["fedavg"] = unprefixed("best", store.load(store.latest()))
+    models["fedavg"] = unprefixed("best", store.final())
     matrix = {name: _score(state, cfg, root, sites) for name, state in models.items()}
     n_train = {s: len(site_dataset(root, s, "training", size=cfg["data"]["size"])) for s in inside}
     smallest = min(inside, key=lambda s: n_train[s])

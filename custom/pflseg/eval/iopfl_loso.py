@@ -10,7 +10,7 @@ Writes ``<workspace>/iopfl_loso.{json,csv,md}``:
     inside table   per site: test Dice of the best global model and of the site's best P_k (mean, std over
                    seeds and the folds in which the site was inside)
     outside table  per held-out site and on average: Dice of global, average, ensemble, tent,
-                   routing_global, routing (mean, std over seeds)
+                   routing_global, routing_layer, routing (mean, std over seeds)
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from pflseg.flare.jobs import export_job
 from pflseg.deploy.simulator import run_simulator
 
 LABELS = {"global": "FedAvg", "average": "Average", "ensemble": "Ensemble", "tent": "Tent",
-          "routing_global": "Routing (global)", "routing": "IOP-FL routing"}
+          "routing_global": "IOP-FL (Global)", "routing_layer": "Routing (per-layer global, ours)",
+          "routing": "IOP-FL routing"}
 
 
 def fold_view(root: Path, held_out: str, out: Path) -> dict[str, str]:

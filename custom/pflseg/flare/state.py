@@ -66,6 +66,21 @@ class RoundStore:
     def clear(self) -> None:
         for r in self.rounds():
             self.path(r).unlink(missing_ok=True)
+        self.final_path.unlink(missing_ok=True)
+
+    @property
+    def final_path(self) -> Path:
+        """The server's checkpoint of the models the final test scored (written after the last round)."""
+        return self.root / "final.pt"
+
+    def final(self) -> dict:
+        """The final checkpoint when the run finished, else the last completed round's."""
+        if self.final_path.is_file():
+            return load_file(self.final_path)
+        latest = self.latest()
+        if latest is None:
+            raise StateError(f"no checkpoint in {self.root}: the run never completed a round")
+        return self.load(latest)
 
 
 def save_file(path: str | Path, payload: dict) -> None:

@@ -7,13 +7,15 @@ images, :func:`route_site` runs, on all of them, unlabeled:
     average         the experts' weight average (P_1..P_K, w_g)
     ensemble        the mean of the experts' probabilities
     tent            w_g with batch statistics, its norm affine parameters adapted by entropy minimisation
-    routing_global  the routed model with one coefficient vector per layer for all samples
-    routing         the routed model with per-sample routers (``iopfl.router``)
+    routing_global  the paper's "IOP-FL (Global)" ablation: ONE coefficient per expert for the whole model,
+                    shared by every layer and every sample (router ``model``)
+    routing_layer   ours: one coefficient vector per layer, shared by the samples (router ``layer_global``)
+    routing         the routed model with per-sample, per-layer routers (``iopfl.router``)
 
-The adaptive ones (tent, routing_global, routing) run ``iopfl.epochs`` epochs of Adam through the
+The adaptive ones (tent, routing_global, routing_layer, routing) run ``iopfl.epochs`` epochs of Adam through the
 project's one training loop (``Hooks.step``) and keep, per sample, the prediction made at its lowest
 unsupervised loss (``pflseg.algorithms.routing``). Labels, where present, only score. Per-case Dice and
-the predictions' files (NIfTI per volume, PNG per 2D image) reuse ``pflseg.infer.fedsm``.
+the predictions' files (NIfTI per volume, PNG per 2D image) reuse ``pflseg.train.predictions``.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from pflseg.algorithms.routing import (
 from pflseg.train.predictions import case_dice, case_names, write_predictions
 from pflseg.train.loop import Hooks, make_loader, seed_everything, train_epochs
 
-METHODS = ("global", "average", "ensemble", "tent", "routing_global", "routing")
+METHODS = ("global", "average", "ensemble", "tent", "routing_global", "routing_layer", "routing")
 
 
 def _key(batch: dict, i: int) -> tuple:
@@ -80,7 +82,7 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
         cfg: the ``iopfl`` config section (router, loss_weights, beta, noise_std, rot_flip, shape_radius,
             epochs, lr, batch_size, norm_affine).
         out_dir: where the routing predictions are written (one file per case).
-        comparators: also run global, average, ensemble, tent, routing_global.
+        comparators: also run global, average, ensemble, tent, routing_global, routing_layer.
 
     Returns:
         {"n_images", "n_cases", "methods": {name: {"dice", "dice_per_class", "per_case", "seconds"}},
@@ -120,7 +122,7 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
     static_s = time.time() - t0
     seconds.update({m: static_s for m in ("global", "average", "ensemble") if m in methods})
 
-    adaptive = {"routing": cfg["router"], "routing_global": "global"}
+    adaptive = {"routing": cfg["router"], "routing_global": "model", "routing_layer": "layer_global"}
     for name in [m for m in methods if m in adaptive]:
         routed = build_routed_model(all_experts, router=adaptive[name], norm_affine=cfg["norm_affine"]).to(device)
         params = router_parameters(routed) + (norm_affine_parameters(routed) if cfg["norm_affine"] else [])

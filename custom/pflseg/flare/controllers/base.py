@@ -23,7 +23,7 @@ from nvflare.app_opt.pt.decomposers import TensorDecomposer
 from nvflare.fuel.utils import fobs
 
 from pflseg.config import check_effective
-from pflseg.flare.state import RoundStore, StateError, prefixed, state_dir, unprefixed
+from pflseg.flare.state import RoundStore, StateError, prefixed, save_file, state_dir, unprefixed
 from pflseg.nets import build_net
 from pflseg.train.loop import seed_everything
 
@@ -74,6 +74,7 @@ class RoundController(ModelController):
             return None
         self.store = RoundStore(state_dir("server", self.cfg["name"]))
         self.missing: dict[str, str] = {}
+        self.site_metrics: dict = {}
         try:
             self.check_config(self.cfg)
             self.size_net()
@@ -98,7 +99,7 @@ class RoundController(ModelController):
                 return
             wall = time.time() - t0
             self.history.append({"round": r, "wall_seconds": wall, "site_compute_seconds": compute,
-                                 **self.round_metrics})
+                                 "site_metrics": self.site_metrics, **self.round_metrics})
             self.store.save(r, self.checkpoint(r))
             self.info(f"round {r + 1} done in {wall:.2f} s (site compute max {max(compute.values(), default=0):.2f} s)")
         self.finish()
@@ -189,6 +190,7 @@ class RoundController(ModelController):
                 return {}
             time.sleep(self.task_check_period)
         usable = {}
+        self.site_metrics = {}
         for site in sorted(payloads):
             res = results.get(site)
             reason = None
@@ -205,6 +207,8 @@ class RoundController(ModelController):
                 self.missing[site] = reason
             else:
                 usable[site] = res
+                self.site_metrics[site] = {k: v for k, v in (res.metrics or {}).items()
+                                           if isinstance(v, (int, float)) and k != "compute_seconds"}
         if len(usable) < need:
             raise RoundError(
                 f"task '{task}': only {len(usable)} of {len(payloads)} site(s) answered usably, min_clients={need}. "
@@ -235,6 +239,7 @@ class RoundController(ModelController):
                 self.track_best(last, val, self.global_state)
             best = prefixed("global", self.best_state) if self.best_state else {}
             self.personalize(last, best)
+            save_file(self.store.final_path, self.checkpoint(last))  # the models the final test scores, for bundles
             tested = self.send_each("test", {s: self.message(last, best) for s in self.sites})
             results = {
                 "job": self.cfg["name"], "method": self.cfg["method"], "rounds": self.cfg["rounds"], "sites": self.sites,

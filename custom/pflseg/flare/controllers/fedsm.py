@@ -125,13 +125,29 @@ class FedSMInferenceController(PostTrainingController):
         if not self.cfg["fedsm"]["bundle"] or bundle.latest() is None:
             raise ValueError(f"fedsm.bundle={self.cfg['fedsm']['bundle']!r} holds no FedSM checkpoint (round_NNNN.pt); "
                              "set it to the trained run's server state folder, e.g. runs/fedsm/state/server/fedsm")
-        ckpt = bundle.load(bundle.latest())
+        source = bundle.final_path if bundle.final_path.is_file() else bundle.path(bundle.latest())
+        ckpt = bundle.final()
         inside = sorted({k.split(".")[1] for k in ckpt if k.startswith("person.")})
         chosen = "bestperson" if any(k.startswith("bestperson.") for k in ckpt) else "person"
         person = {"person." + k[len(chosen) + 1:]: v for k, v in ckpt.items() if k.startswith(chosen + ".")}
         best = unprefixed("best", ckpt) or unprefixed("global", ckpt)
         payload = {**prefixed("global", best), **person, **prefixed("select", unprefixed("select", ckpt))}
-        self.info(f"super model from {bundle.path(bundle.latest())}: inside sites {inside}; sending to {self.sites}")
+        self.info(f"super model from {source}: inside sites {inside}; sending to {self.sites}")
         res = self.send_each("infer", {s: self.message(0, payload, inside_sites=inside) for s in self.sites})
-        return {"inside_sites": inside, "bundle": str(bundle.path(bundle.latest())),
-                "infer": {s: r.metrics["infer"] for s, r in res.items()}}
+        infer = {s: r.metrics["infer"] for s, r in res.items()}
+        return {"inside_sites": inside, "bundle": str(source), "infer": infer,
+                **choose_gamma(infer)}
+
+
+def choose_gamma(infer: dict) -> dict:
+    """The gamma with the best mean super-model Dice on the inside sites' VALIDATION splits (never test), and
+    every site's test Dice at it: ``{"gamma_selected", "gamma_validation": {gamma: mean}, "test_at_gamma": {site: dice}}``.
+    FedSM-extra has no gamma (empty dict)."""
+    val = [r["validation"] for r in infer.values() if r.get("validation")]
+    gammas = [g for g in (val[0] if val else {}) if g != "extra"]
+    if not gammas:
+        return {}
+    means = {g: sum(v[g]["dice"] for v in val) / len(val) for g in gammas}
+    best = max(gammas, key=lambda g: (means[g], -gammas.index(g)))
+    return {"gamma_selected": float(best), "gamma_validation": means,
+            "test_at_gamma": {s: r["super"][best]["dice"] for s, r in infer.items()}}

@@ -53,14 +53,27 @@ class FedSMSite(Site):
         _, optim_p = self.fit(person, "person", prev, seed)
         selector = build_selector(selector_cfg(cfg, len(self.sites)))
         label = int(msg.meta["selector_label"])
-        sel_stats, sel_params = self.train_selector_model(
-            selector, lambda batch: selector_labels_fedsm(label, batch["image"].shape[0], len(self.sites)), msg, seed)
+        labels_of = lambda batch: selector_labels_fedsm(label, batch["image"].shape[0], len(self.sites))  # noqa: E731
+        sel_stats, sel_params = self.train_selector_model(selector, labels_of, msg, seed)
         train_s = time.time() - t0
+        sel_acc = self.selector_accuracy(selector, labels_of)
         self.store.save(r, {"round": r, "optim.global": optim_g, "optim.person": optim_p})
         params = {**prefixed("global", cpu_state(glob)), **prefixed("person", cpu_state(person)), **sel_params}
         metrics = {"val_dice": val_g["dice"], "val_dice_person": val_p["dice"], "train_loss": stats["loss"],
-                   "selector_loss": sel_stats["loss"], "train_seconds": train_s, "n_samples": stats["samples"]}
+                   "selector_loss": sel_stats["loss"], "selector_val_acc": sel_acc, "train_seconds": train_s,
+                   "n_samples": stats["samples"]}
         return self.reply(params, metrics, stats["samples"])
+
+    @torch.no_grad()
+    def selector_accuracy(self, selector, labels_of) -> float:
+        """Fraction of the site's validation images the trained selector sends to their label's model."""
+        selector.to(self.device).eval()
+        right = total = 0
+        for batch in make_loader(self.data("validation"), self.cfg["train"]["eval_batch_size"], shuffle=False):
+            batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            right += int((selector(batch["image"]).argmax(1).cpu() == labels_of(batch).cpu()).sum())
+            total += batch["image"].shape[0]
+        return right / max(total, 1)
 
     def train_selector_model(self, selector, labels_of, msg: FLModel, seed: int) -> tuple[dict, dict]:
         """Train ``selector`` with cross-entropy against ``labels_of(batch)``, Adam moments from the server's
@@ -113,7 +126,9 @@ class FedSMSite(Site):
         t0 = time.time()
         selector = build_selector(selector_cfg(self.cfg, len(self.sites) + 1))
         stats, params = self.train_selector_model(selector, labels_of, msg, seed)
-        return self.reply(params, {"selector_loss": stats["loss"], "train_seconds": time.time() - t0}, stats["samples"])
+        metrics = {"selector_loss": stats["loss"], "selector_val_acc": self.selector_accuracy(selector, labels_of),
+                   "train_seconds": time.time() - t0}
+        return self.reply(params, metrics, stats["samples"])
 
     def validate(self, msg: FLModel) -> FLModel:
         """The global model scored for the server's choice; the personalized model tracked as the site's own."""
@@ -142,11 +157,14 @@ class FedSMInferenceSite(Site):
         extra = classes == len(inside) + 1
         selector = build_selector(selector_cfg(self.cfg, classes))
         selector.load_state_dict(select)
-        fedsm = self.cfg["fedsm"]
+        fedsm, own = self.cfg["fedsm"], inside.index(self.name) if self.name in inside else None
+        common = dict(gammas=fedsm["gammas"], own_index=own, extra=extra, batch_size=self.cfg["train"]["eval_batch_size"])
         result = evaluate_super_model(
-            models[0], models[1:], selector, self.data("testing"), self.device, gammas=fedsm["gammas"],
-            own_index=inside.index(self.name) if self.name in inside else None, extra=extra,
-            batch_size=self.cfg["train"]["eval_batch_size"], out_dir=self.store.root / "predictions",
-            save_gamma=fedsm["gamma"], label_encoding=load_dataset_info(self.root)["label_encoding"])
-        result["inside"] = self.name in inside
+            models[0], models[1:], selector, self.data("testing"), self.device, **common,
+            out_dir=self.store.root / "predictions", save_gamma=fedsm["gamma"],
+            label_encoding=load_dataset_info(self.root)["label_encoding"])
+        result["inside"] = own is not None
+        if own is not None:  # inside sites score every gamma on validation: the server chooses gamma there
+            val = evaluate_super_model(models[0], models[1:], selector, self.data("validation"), self.device, **common)
+            result["validation"] = {route: {"dice": v["dice"], "selection": v["selection"]} for route, v in val["super"].items()}
         return self.reply({}, {"infer": result})

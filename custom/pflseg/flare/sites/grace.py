@@ -4,12 +4,15 @@ site's features with those of the round's global model, frozen. With ``align: ad
 discriminator trains in the same optimizer and stays in the site's state (it never leaves the site).
 
 The site's personalized model is its local model after the round's training (best by validation); the
-received global model is scored, not kept.
+received global model is scored, not kept (also the final one, unless ``grace.final_global_candidate``).
+Every round the site reports the mean size of its meta-train step, ||theta' - theta|| (``inner_step_norm``).
 """
 
 from __future__ import annotations
 
 import functools
+
+from nvflare.app_common.abstract.fl_model import FLModel
 
 from pflseg.algorithms.alignment import DomainDiscriminator, adversarial_alignment, coral, mmd
 from pflseg.algorithms.grace_meta import feature_layer, meta_step, unet_features
@@ -21,6 +24,10 @@ from pflseg.train import Hooks
 
 class GraceSite(FedAvgSite):
     personalized = True
+
+    def __init__(self, name: str, cfg: dict, sites: list[str]):
+        super().__init__(name, cfg, sites)
+        self.inner: dict = {}
 
     def score_before(self, model, round_num: int) -> dict:
         return self.evaluate(model)
@@ -44,6 +51,20 @@ class GraceSite(FedAvgSite):
             align = functools.partial(adversarial_alignment, disc)
         else:
             align = {"coral": coral, "mmd": mmd}[grace["align"]]
+        self.inner = {"inner_norm_sum": 0.0, "inner_steps": 0}
         step = functools.partial(meta_step, inner_lr=grace["inner_lr"], beta=grace["beta"], align_fn=align,
-                                 global_model=frozen, feature_fn=unet_features, split=grace["split"])
+                                 global_model=frozen, feature_fn=unet_features, split=grace["split"],
+                                 inner=grace["inner_step"], record=self.inner)
         return Hooks(step=step), disc
+
+    def round_metrics(self) -> dict:
+        if not self.inner.get("inner_steps"):
+            return {}
+        return {"inner_step_norm": self.inner["inner_norm_sum"] / self.inner["inner_steps"]}
+
+    def validate(self, msg: FLModel) -> FLModel:
+        """The final global model, scored for the server's choice; a candidate for the site's personalized model
+        only with ``grace.final_global_candidate``."""
+        if self.cfg["grace"]["final_global_candidate"]:
+            return super().validate(msg)
+        return self.reply({}, {"val_dice": self.evaluate(self.model_for_round(msg.params, msg.current_round))["dice"]})

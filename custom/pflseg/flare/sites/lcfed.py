@@ -41,7 +41,8 @@ class LCFedSite(Site):
         """The step's settings for this job."""
         lc, on = self.cfg["lcfed"], self.calibrated
         return {"lam": lc["lam"] if on else 0.0, "hc": on and lc["hc"], "nms_window": lc["nms_window"],
-                "nms_threshold": lc["nms_threshold"], "gauss_size": lc["gauss_size"], "gauss_sigma": lc["gauss_sigma"] or None}
+                "nms_threshold": lc["nms_threshold"], "gauss_size": lc["gauss_size"], "gauss_sigma": lc["gauss_sigma"] or None,
+                "contrast_on": lc["contrast_on"]}
 
     def previous(self, r: int) -> dict:
         """The site's latest round state before round ``r`` (a round it was left out of is skipped)."""

@@ -46,3 +46,11 @@ def test_two_rounds_of_fedsm_on_cuda(federation, monkeypatch):
     assert keys_of(second.params, "moment") and all(v.device.type == "cpu" for v in second.params.values())
     saved = fed.store().load(1)
     assert optimizer_tensors_on(saved["optim.person"]) == {"cuda"}  # saved from the GPU optimizer
+
+
+def test_selector_accuracy_on_validation_is_reported_every_round(federation):
+    fed = federation("fedsm")
+    assert fed.cfg["fedsm"]["selector_steps"] == "batch"  # the paper's per-batch steps by default
+    msg, _ = first_message(fed, label=1)
+    out = fed.site("site-2").train(msg)
+    assert 0.0 <= out.metrics["selector_val_acc"] <= 1.0

@@ -22,3 +22,25 @@ def test_personalized_model_is_the_local_model_after_training(federation):
     kept = torch.load(best, weights_only=True)
     trained = fed.store().load(0)
     assert all(torch.equal(kept[k], trained[k]) for k in trained if k.startswith("model."))
+
+
+def test_final_global_model_is_not_the_personalized_one_unless_configured(federation):
+    import torch
+
+    from pflseg.flare.state import prefixed
+
+    for candidate in (False, True):
+        fed = federation("grace", grace={"final_global_candidate": candidate})
+        site = fed.site()
+        site.train(fed.message(0))
+        kept = torch.load(site.best_path, weights_only=True)
+        site.evaluate = lambda model, split="validation", surface=False: {"dice": 1.0}  # the final global scores best
+        site.validate(fed.message(2, prefixed("global", fed.initial)))
+        now = torch.load(site.best_path, weights_only=True)
+        assert (now["round"] == 2) == candidate and (now["round"] == kept["round"]) != candidate
+
+
+def test_inner_step_size_is_reported(federation):
+    fed = federation("grace")
+    out = fed.site().train(fed.message(0))
+    assert out.metrics["inner_step_norm"] > 0
