@@ -151,10 +151,6 @@ def _report(args) -> int:
         from pflseg.eval import grace_benchmark as m
 
         print(m.to_markdown(m.run(args.sites or 6, args.repeats)))
-    elif args.report == "grace-loso":
-        from pflseg.eval import grace_report as m
-
-        print(m.to_markdown(m.measure(args.workspace or "runs/grace_loso", args.sites or 4, args.seeds, args.rounds or 10)))
     elif args.report == "heterogeneity":
         from pflseg.eval import heterogeneity as m
 
@@ -168,10 +164,6 @@ def _report(args) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))
         print(m.to_markdown(rows))
-    elif args.report == "lcfed":
-        from pflseg.eval import lcfed_report as m
-
-        print(m.to_markdown(m.measure(args.workspace or "runs/lcfed_report", args.sites or 4, args.seeds, args.rounds or 12, args.task)))
     return 0
 
 
@@ -187,16 +179,21 @@ def _site(args) -> int:
 
 
 def _iopfl(args) -> int:
-    from pflseg.config import parse_set
-    from pflseg.eval.iopfl_loso import run_loso, to_markdown
+    """IOP-FL's leave-one-site-out protocol: ``pflseg bench --methods iopfl`` with every site held out once."""
+    args.methods, args.no_outside, args.holdout = ["iopfl"], False, args.holdout or ["all"]
+    return _bench(args)
 
-    overrides = parse_set(args.set)
-    if args.rounds:
-        overrides["rounds"] = args.rounds
-    report = run_loso(args.workspace, data=args.data, synth_sites=args.synth_sites, seeds=args.seeds,
-                      overrides=overrides, held_out=args.holdout, threads=args.threads)
+
+def _bench(args) -> int:
+    from pflseg.config import parse_set
+    from pflseg.eval.bench import Bench, to_markdown
+
+    bench = Bench(args.workspace, data=args.data, synth_sites=args.synth_sites, methods=args.methods, seeds=args.seeds,
+                  rounds=args.rounds, holdout=args.holdout, overrides=parse_set(args.set), outside=not args.no_outside,
+                  threads=args.threads)
+    report = bench.execute()
     print(to_markdown(report))
-    print(f"written: {Path(args.workspace) / 'iopfl_loso'}.json/.csv/.md")
+    print(f"written: {bench.ws}/bench.json, bench_inside.csv, bench_outside.csv, bench.md (+ PNG plots with matplotlib)")
     return 0
 
 
@@ -257,24 +254,37 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--threads", type=int)
     m.set_defaults(func=_demo)
 
-    ip = sub.add_parser("iopfl", help="IOP-FL protocols")
-    ip.set_defaults(func=_iopfl)
-    io = ip.add_subparsers(dest="iopfl_cmd", required=True)
-    lo = io.add_parser("loso", help="leave-one-site-out: train on all sites but one, route at the held-out one")
-    lo.add_argument("--workspace", default="runs/iopfl_loso")
-    lo.add_argument("--data", help="data root (default: synthetic data with --synth-sites sites in the workspace)")
-    lo.add_argument("--synth-sites", type=int, default=5)
-    lo.add_argument("--holdout", nargs="+", help="held-out sites (default: every site)")
-    lo.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    lo.add_argument("--rounds", type=int)
-    lo.add_argument("--threads", type=int)
-    lo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for both jobs")
+    from pflseg.eval.bench import DEFAULT_METHODS, INSIDE
 
-    rp = sub.add_parser("report", help="per-method reports and benchmarks on synthetic data (Markdown tables)")
-    rp.add_argument("report", choices=["fedsm-benchmark", "grace-benchmark", "grace-loso", "heterogeneity", "iopfl-cost", "lcfed"])
+    def bench_args(parser, workspace: str, seeds: list[int], rounds: int, sites: int) -> None:
+        parser.add_argument("--workspace", default=workspace)
+        parser.add_argument("--data", help="data root (default: synthetic data with --synth-sites sites in the workspace, "
+                                           "the last one built as an outside site)")
+        parser.add_argument("--synth-sites", type=int, default=sites)
+        parser.add_argument("--holdout", nargs="+", help="held-out sites (default: synthetic: the last site; --data: every site)")
+        parser.add_argument("--seeds", type=int, nargs="+", default=seeds)
+        parser.add_argument("--rounds", type=int, default=rounds)
+        parser.add_argument("--threads", type=int)
+        parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every job")
+
+    bp = sub.add_parser("bench", help="every method on the same data and budget: inside and leave-one-site-out tables")
+    bench_args(bp, "runs/bench", [0, 1, 2], 20, 6)
+    bp.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(INSIDE))
+    bp.add_argument("--no-outside", action="store_true", help="inside table only")
+    bp.set_defaults(func=_bench)
+
+    ip = sub.add_parser("iopfl", help="IOP-FL protocols")
+    io = ip.add_subparsers(dest="iopfl_cmd", required=True)
+    lo = io.add_parser("loso", help="leave-one-site-out: train on all sites but one, route at the held-out one "
+                                    "(pflseg bench --methods iopfl)")
+    bench_args(lo, "runs/iopfl_loso", [0, 1], 10, 5)
+    lo.set_defaults(func=_iopfl)
+
+    rp = sub.add_parser("report", help="cost benchmarks and data heterogeneity (Markdown tables); the protocols are `pflseg bench`")
+    rp.add_argument("report", choices=["fedsm-benchmark", "grace-benchmark", "heterogeneity", "iopfl-cost"])
     rp.add_argument("--workspace", help="default runs/<report>")
-    rp.add_argument("--rounds", type=int, help="default: fedsm-benchmark 20, grace-loso 10, heterogeneity 20, lcfed 12")
-    rp.add_argument("--sites", type=int, help="default: grace-benchmark 6, grace-loso 4, lcfed 4")
+    rp.add_argument("--rounds", type=int, help="default: fedsm-benchmark 20, heterogeneity 20")
+    rp.add_argument("--sites", type=int, help="grace-benchmark sites (default 6)")
     rp.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     rp.add_argument("--task", choices=["prostate", "fundus"], default="prostate")
     rp.add_argument("--repeats", type=int, default=5, help="timing repeats (grace-benchmark, iopfl-cost)")

@@ -17,16 +17,21 @@ disk (``pflseg.flare.state``), so results do not depend on the simulator's threa
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+from torch.utils.data import ConcatDataset
 
 from pflseg.data import DataError, load_dataset_info, pooled_dataset, site_dataset
 from pflseg.flare.settings import resolve_data, site_settings
 from pflseg.flare.state import RoundStore, load_file, prefixed, save_file, state_dir, unprefixed
 from pflseg.nets import build_net
 from pflseg.train import Hooks, build_loss, build_optimizer, derive_seed, evaluate, make_loader, pick_device, seed_everything, train_epochs
+
+
+log = logging.getLogger("pflseg.client")
 
 
 def cpu_state(model: torch.nn.Module) -> dict:
@@ -80,6 +85,18 @@ class Site:
                 raise DataError(f"site {self.name}: split '{split}' of {self.root / self.data_site} is empty; "
                                 f"re-split the data set so every site has {split} cases")
         return self._data[split]
+
+    def all_images(self):
+        """Every image of the site (an outside site's post-training jobs); an empty split is named in the log."""
+        parts = []
+        for split in ("training", "validation", "testing"):
+            try:
+                parts.append(self.data(split))
+            except DataError as exc:
+                log.info("site %s: without split %s (%s)", self.name, split, exc)
+        if not parts:
+            raise DataError(f"site {self.name}: no images in {self.root / self.data_site}; add the site's images")
+        return ConcatDataset(parts)
 
     def evaluate(self, model, split: str = "validation", surface: bool = False) -> dict:
         return evaluate(model, self.data(split), self.device, self.cfg["train"]["eval_batch_size"], surface=surface)

@@ -159,8 +159,9 @@ class FedSMInferenceSite(Site):
         selector.load_state_dict(select)
         fedsm, own = self.cfg["fedsm"], inside.index(self.name) if self.name in inside else None
         common = dict(gammas=fedsm["gammas"], own_index=own, extra=extra, batch_size=self.cfg["train"]["eval_batch_size"])
+        data = self.data("testing") if own is not None else self.all_images()  # an outside site: every image
         result = evaluate_super_model(
-            models[0], models[1:], selector, self.data("testing"), self.device, **common,
+            models[0], models[1:], selector, data, self.device, **common,
             out_dir=self.store.root / "predictions", save_gamma=fedsm["gamma"],
             label_encoding=load_dataset_info(self.root)["label_encoding"])
         result["inside"] = own is not None

@@ -16,22 +16,18 @@ adapts on all of its images without labels, writes the routed predictions into i
 
 from __future__ import annotations
 
-import logging
 import time
 
 from nvflare.app_common.abstract.fl_model import FLModel
-from torch.utils.data import ConcatDataset
 
 from pflseg.algorithms.iopfl import update_person
-from pflseg.data import DataError, load_dataset_info
+from pflseg.data import load_dataset_info
 from pflseg.infer.routing import route_site
 from pflseg.flare.sites.base import Site, cpu_state
 from pflseg.flare.state import load_file, prefixed, unprefixed
 from pflseg.nets import build_net
 from pflseg.train import derive_seed
 
-SPLITS = ("training", "validation", "testing")
-log = logging.getLogger("pflseg.client")
 
 
 class IOPFLSite(Site):
@@ -91,15 +87,7 @@ class IOPFLRoutingSite(Site):
             net = build_net(self.cfg["net"])
             net.load_state_dict(unprefixed(prefix, msg.params))
             experts.append(net)
-        parts = []  # every image of the site (used without labels); empty splits are named in the log
-        for split in SPLITS:
-            try:
-                parts.append(self.data(split))
-            except DataError as exc:
-                log.info("site %s: routing without split %s (%s)", self.name, split, exc)
-        if not parts:
-            raise DataError(f"site {self.name}: no images in {self.root / self.data_site} to route; add the site's images")
-        data = ConcatDataset(parts)
+        data = self.all_images()  # used without labels
         result = route_site(experts[:-1], experts[-1], data, self.device, self.cfg["iopfl"],
                             seed=derive_seed(self.cfg["seed"], self.name, "route"),
                             out_dir=self.store.root / "predictions",
