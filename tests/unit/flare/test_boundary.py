@@ -442,3 +442,27 @@ def test_a_job_config_with_a_bad_name_is_an_error_reply_at_the_site():
     out, kept = answer("site-1", "train", FLModel(params={}, meta={"pflseg": cfg, "sites": ["site-1"]}), None)
     assert kept is None and "A-Za-z0-9" in out.meta["pflseg_error"]
 
+
+def test_a_local_simulation_lets_post_training_jobs_read_sibling_workspaces(tmp_path, monkeypatch):
+    """`pflseg run fedsm_infer --workspace runs/infer --set fedsm.bundle=runs/fedsm/state/server/fedsm` (README)."""
+    from pflseg.deploy import simulator
+
+    class Started(Exception):
+        pass
+
+    seen = {}
+
+    def popen(cmd, env, **kwargs):
+        seen.update(env)
+        raise Started
+
+    monkeypatch.setattr(simulator.subprocess, "Popen", popen)
+    monkeypatch.delenv("PFLSEG_BUNDLE_ROOTS", raising=False)
+    (tmp_path / "jobs" / "fedsm_infer").mkdir(parents=True)
+    with pytest.raises(Started):
+        simulator.run_simulator(tmp_path / "jobs" / "fedsm_infer", tmp_path / "runs" / "infer", n_sites=2, progress=lambda m: None)
+    assert seen["PFLSEG_BUNDLE_ROOTS"] == str(tmp_path / "runs")
+    monkeypatch.setenv("PFLSEG_BUNDLE_ROOTS", "/srv/bundles")  # an operator's own setting wins
+    with pytest.raises(Started):
+        simulator.run_simulator(tmp_path / "jobs" / "fedsm_infer", tmp_path / "runs" / "infer", n_sites=2, progress=lambda m: None)
+    assert seen["PFLSEG_BUNDLE_ROOTS"] == "/srv/bundles"
