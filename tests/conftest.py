@@ -17,6 +17,6 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _isolated_env(monkeypatch, tmp_path):
-    for var in ("PFLSEG_DATA", "PFLSEG_DEVICE", "PFLSEG_SITE_CONFIG", "PFLSEG_STATE_DIR"):
+    for var in ("PFLSEG_DATA", "PFLSEG_DEVICE", "PFLSEG_SITE_CONFIG", "PFLSEG_STATE_DIR", "PFLSEG_BUNDLE_ROOTS"):
         monkeypatch.delenv(var, raising=False)
     os.environ.setdefault("PFLSEG_CONFIGS", str(REPO / "app_configs"))

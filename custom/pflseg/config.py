@@ -8,11 +8,39 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
 import yaml
 
+#: A job's name is a folder name (its state folder at the server and at every site): one plain name.
+NAME_RULE = "^[A-Za-z0-9_-]+$"
+
+#: Bounds of the values that size memory or run time at the server and the sites: a job's config comes from
+#: whoever submits the job, and one absurd value must not exhaust a site. Dotted key -> (lowest, highest);
+#: a list value (net.channels) is bounded entry by entry.
+RANGES = {
+    "rounds": (1, 10_000),
+    "max_n_samples": (1, 1_000_000_000),
+    "data.size": (1, 1024),
+    "data.synth_sites": (1, 64),
+    "net.channels": (1, 1024),
+    "net.embed_dim": (1, 1024),
+    "net.n_sites": (0, 1024),
+    "train.epochs": (1, 1000),
+    "train.batch_size": (1, 1024),
+    "train.eval_batch_size": (1, 1024),
+    "fedsm.extra_rounds": (0, 10_000),
+    "iopfl.epochs": (1, 1000),
+    "iopfl.batch_size": (1, 1024),
+    "iopfl.shape_radius": (1, 64),
+    "lcfed.nms_window": (1, 255),
+    "lcfed.gauss_size": (1, 255),
+    "lcfed.head_first_iters": (0, 1_000_000),
+    "ft.epochs": (0, 1000),
+}
+MAX_NET_LEVELS = 8  # entries of net.channels / net.strides
 
 
 class ConfigError(ValueError):
@@ -75,11 +103,44 @@ def _coerce(default, value, dotted: str, source: str):
     )
 
 
+def check_name(name, source: str = "config") -> str:
+    """``name`` if it is a plain job name (``NAME_RULE``); else ConfigError naming the value and the rule.
+
+    The name becomes the job's state folder at the server and every site (``pflseg.flare.state.state_dir``),
+    so an absolute path or ``..`` would let a job's submitter write or delete files outside the state root.
+    """
+    if not isinstance(name, str) or not re.fullmatch(NAME_RULE, name):
+        raise ConfigError(f"{source}: name={name!r} is not a job name: it must match {NAME_RULE} (letters, digits, "
+                          "'_' and '-' only; it names the job's state folder)")
+    return name
+
+
+def check_ranges(cfg: Mapping, source: str = "config") -> None:
+    """Every ``RANGES`` key inside its bounds (ConfigError naming the key, the value and the bound)."""
+    for dotted, (low, high) in RANGES.items():
+        node = cfg
+        for part in dotted.split("."):
+            if not isinstance(node, Mapping) or part not in node:
+                raise ConfigError(f"{source}: no '{dotted}' (a job exported by an older pflseg?): export the job again")
+            node = node[part]
+        for value in node if isinstance(node, list) else [node]:
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"{source}: {dotted}={node!r} must be an integer (entries of a list too)")
+            if value > high:
+                raise ConfigError(f"{source}: {dotted}={node!r} exceeds the cap {high} (values that size memory or "
+                                  "run time are bounded, see pflseg.config.RANGES)")
+            if value < low:
+                raise ConfigError(f"{source}: {dotted}={node!r} must be >= {low}")
+    net = cfg["net"]
+    if len(net["channels"]) > MAX_NET_LEVELS or len(net["strides"]) > MAX_NET_LEVELS:
+        raise ConfigError(f"{source}: net.channels / net.strides have {len(net['channels'])} / {len(net['strides'])} "
+                          f"entries, which exceeds the cap {MAX_NET_LEVELS}")
+
+
 def validate(cfg: Mapping, source: str = "config") -> None:
     """Check values that types alone cannot (ranges, choices). The method name and the method's own rules
     are checked against the registry, ``pflseg.flare.methods.method``, where a job is built or run."""
-    if cfg["rounds"] < 1:
-        raise ConfigError(f"{source}: rounds must be >= 1, got {cfg['rounds']}")
+    check_ranges(cfg, source)
     if cfg["min_clients"] < 1:
         raise ConfigError(f"{source}: min_clients must be >= 1, got {cfg['min_clients']}")
     if cfg["data"]["synth_task"] not in ("prostate", "fundus"):
@@ -91,8 +152,8 @@ def validate(cfg: Mapping, source: str = "config") -> None:
         raise ConfigError(f"{source}: fedsm.lam and fedsm.gamma must lie in [0, 1], got {fedsm['lam']}, {fedsm['gamma']}")
     if fedsm["selector"] not in ("compact", "vgg11") or fedsm["selector_steps"] not in ("epoch", "batch"):
         raise ConfigError(f"{source}: fedsm.selector must be compact|vgg11 and fedsm.selector_steps epoch|batch")
-    if fedsm["extra_rounds"] < 0 or any(not 0.0 <= g <= 1.0 for g in fedsm["gammas"]):
-        raise ConfigError(f"{source}: fedsm.extra_rounds must be >= 0 and every fedsm.gammas value in [0, 1]")
+    if any(not 0.0 <= g <= 1.0 for g in fedsm["gammas"]):
+        raise ConfigError(f"{source}: every fedsm.gammas value must lie in [0, 1], got {fedsm['gammas']}")
     grace = cfg["grace"]
     choices = {"similarity": ("total", "split", "reweight"), "self_similarity": ("include", "exclude"),
                "align": ("coral", "mmd", "adv"), "inner_step": ("adam", "sgd")}
@@ -105,8 +166,8 @@ def validate(cfg: Mapping, source: str = "config") -> None:
     for key, allowed in choices.items():
         if iopfl[key] not in allowed:
             raise ConfigError(f"{source}: iopfl.{key} must be one of {', '.join(allowed)}, got {iopfl[key]!r}")
-    if not 0.0 <= iopfl["tau"] <= 1.0 or iopfl["epochs"] < 1 or iopfl["shape_radius"] < 1 or iopfl["batch_size"] < 1:
-        raise ConfigError(f"{source}: iopfl.tau must lie in [0, 1] and iopfl.epochs, shape_radius, batch_size be >= 1")
+    if not 0.0 <= iopfl["tau"] <= 1.0:
+        raise ConfigError(f"{source}: iopfl.tau must lie in [0, 1], got {iopfl['tau']}")
     lcfed = cfg["lcfed"]
     if lcfed["contrast_on"] not in ("gate", "gate_all", "embedding"):
         raise ConfigError(f"{source}: lcfed.contrast_on must be one of gate, gate_all, embedding, got {lcfed['contrast_on']!r}")
@@ -114,8 +175,6 @@ def validate(cfg: Mapping, source: str = "config") -> None:
         raise ConfigError(f"{source}: lcfed.lam and lcfed.head_first_iters must be >= 0, lcfed.nms_threshold in [0, 1)")
     if any(lcfed[k] < 1 or lcfed[k] % 2 == 0 for k in ("nms_window", "gauss_size")) or lcfed["gauss_sigma"] < 0:
         raise ConfigError(f"{source}: lcfed.nms_window and lcfed.gauss_size must be odd >= 1, lcfed.gauss_sigma >= 0")
-    if cfg["ft"]["epochs"] < 0:
-        raise ConfigError(f"{source}: ft.epochs must be >= 0, got {cfg['ft']['epochs']}")
     if cfg["fedprox"]["mu"] < 0:
         raise ConfigError(f"{source}: fedprox.mu must be >= 0, got {cfg['fedprox']['mu']}")
 
@@ -126,6 +185,7 @@ def defaults(config_dir: Path | None = None) -> dict:
 
 def load_job_config(name: str, config_dir: Path | None = None, overrides: Mapping | None = None) -> dict:
     """Effective config of job ``name``: defaults <- app_configs/<name>.yaml <- ``overrides``."""
+    check_name(name, "job")
     config_dir = config_dir or configs_dir()
     path = config_dir / f"{name}.yaml"
     if not path.is_file():
@@ -140,7 +200,9 @@ def load_job_config(name: str, config_dir: Path | None = None, overrides: Mappin
 
 
 def check_effective(cfg: Mapping, source: str = "job config") -> dict:
-    """Validate an already merged config (e.g. the one carried by an exported job) against the schema."""
+    """Validate an already merged config (e.g. the one carried by an exported job) against the schema; the
+    job's ``name`` (outside the schema) against ``NAME_RULE``."""
+    name = check_name(cfg.get("name", "job"), source)
     body = {k: v for k, v in cfg.items() if k != "name"}
     try:
         schema = defaults()
@@ -148,7 +210,7 @@ def check_effective(cfg: Mapping, source: str = "job config") -> dict:
         schema = body
     merged = merge(schema, body, source)
     validate(merged, source)
-    merged["name"] = cfg.get("name", "job")
+    merged["name"] = name
     return merged
 
 

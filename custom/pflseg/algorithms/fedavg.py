@@ -33,12 +33,13 @@ def weighted_average(states: Sequence[State], weights: Sequence[float], keys: Se
     """Weighted mean of ``states`` key by key.
 
     Args:
-        states: K client states with the same keys and shapes.
+        states: K client states with the same keys, shapes and dtypes (a mismatch is a ValueError naming
+            the key: no state decides the dtype of the others' average).
         weights: K non-negative weights (e.g. n_k); normalised here.
         keys: keys to average (default: all keys of the first state).
 
     Returns:
-        A new dict; inputs are never modified.
+        A new dict, each key in the states' dtype (accumulated in float64); inputs are never modified.
     """
     if len(states) != len(weights):
         raise ValueError(f"states/weights: {len(states)} states but {len(weights)} weights")
@@ -52,6 +53,8 @@ def weighted_average(states: Sequence[State], weights: Sequence[float], keys: Se
                 raise KeyError(f"state {i} has no key '{key}'")
             if s[key].shape != ref.shape:
                 raise ValueError(f"key '{key}': state {i} has shape {tuple(s[key].shape)}, state 0 {tuple(ref.shape)}")
+            if s[key].dtype != ref.dtype:
+                raise ValueError(f"key '{key}': state {i} has dtype {s[key].dtype}, state 0 {ref.dtype}")
         acc = torch.zeros(ref.shape, dtype=torch.float64)
         for pk, s in zip(p, states):
             acc += pk * s[key].detach().to("cpu", torch.float64)

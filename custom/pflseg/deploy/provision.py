@@ -105,6 +105,6 @@ def loopback_env(workspace: Path) -> dict:
     # the server waits this long for a dead site's job outcome before closing a job (FLARE default: 900 s)
     env.setdefault("NVFLARE_CLIENT_OUTCOME_WAIT_TIMEOUT", str(CLIENT_OUTCOME_WAIT_S))
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    for var in ("PFLSEG_DATA", "PFLSEG_STATE_DIR", "PFLSEG_SITE_CONFIG", "NVFL_WORKSPACE"):
+    for var in ("PFLSEG_DATA", "PFLSEG_STATE_DIR", "PFLSEG_SITE_CONFIG", "PFLSEG_BUNDLE_ROOTS", "NVFL_WORKSPACE"):
         env.pop(var, None)
     return env

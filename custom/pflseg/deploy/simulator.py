@@ -31,13 +31,17 @@ def run_simulator(
     pflseg state (checkpoints, personalized models, results.json); the state survives a re-run, so
     ``resume: true`` continues a stopped run. ``clients`` names the simulated sites (default site-1..n_sites),
     e.g. the inside sites of a leave-one-site-out split.
+
+    A local simulation's user is also its server's operator: a post-training job (``fedsm_infer``,
+    ``iopfl_route``) may read the bundle of a run in a sibling workspace (``PFLSEG_BUNDLE_ROOTS`` = the
+    workspace's parent, unless set in the environment; see ``PostTrainingController.bundle_folder``).
     """
     job_dir, workspace = Path(job_dir).resolve(), Path(workspace).resolve()
     name = job_dir.name
     n_sites = len(clients) if clients else n_sites
     # the simulated sites share this machine's cores
-    env = {"PFLSEG_THREADS": str(max(1, (os.cpu_count() or 1) // n_sites)), **os.environ,
-           "PFLSEG_STATE_DIR": str(workspace / "state")}
+    env = {"PFLSEG_THREADS": str(max(1, (os.cpu_count() or 1) // n_sites)),
+           "PFLSEG_BUNDLE_ROOTS": str(workspace.parent), **os.environ, "PFLSEG_STATE_DIR": str(workspace / "state")}
     if data is not None:
         data = Path(data).resolve()
         if not (data / "dataset.json").is_file():

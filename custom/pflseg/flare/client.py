@@ -3,8 +3,9 @@
     flare.init(); while flare.is_running(): model = flare.receive(); site.tasks()[task](model); flare.send()
 
 The job's configuration arrives from the server in ``meta["pflseg"]``; the method's site class
-(``pflseg.flare.methods``) answers the tasks its method has. A failing task becomes an error reply that
-names the problem (the server leaves the site out of that round), never a dead site.
+(``pflseg.flare.methods``) answers the tasks its method has. A failing task, whatever the exception,
+becomes an error reply that names the problem (the server leaves the site out of that round), never a
+dead site.
 """
 
 from __future__ import annotations
@@ -21,6 +22,33 @@ from pflseg.flare.methods import method
 log = logging.getLogger("pflseg.client")
 
 
+def answer(name: str, task: str, msg: FLModel, site):
+    """Site ``name``'s reply to ``task``: ``(reply, site)``, ``site`` made on the first message (None when it
+    must be made again, after a data error). Any exception in a task is an error reply naming the site, the
+    task and the exception (meta ``pflseg_error``; the server leaves the site out of that round), never a
+    dead site; unexpected ones are logged with their traceback."""
+    try:
+        if site is None:
+            cfg = check_effective(msg.meta["pflseg"], "job config sent by the server")
+            site = method(cfg).site(name, cfg, msg.meta["sites"])
+        handler = site.tasks().get(task)
+        if handler is None:
+            raise ValueError(f"site {name}: task '{task}' is not one of this method's tasks {sorted(site.tasks())}")
+        t0 = time.time()
+        out = handler(msg)
+        out.metrics = {**(out.metrics or {}), "compute_seconds": time.time() - t0}
+        return out, site
+    except (DataError, ValueError, RuntimeError, OSError, FloatingPointError) as exc:  # problems a person can act on
+        log.error("site %s: %s", name, exc)
+        error = str(exc) if str(exc).startswith(f"site {name}") else f"site {name}: {exc}"
+        if isinstance(exc, DataError):
+            site = None  # made again from the next message (the data may be fixed meanwhile)
+    except Exception as exc:  # a bug or an unforeseen input: the traceback goes to the site's log
+        log.exception("site %s: task '%s' failed", name, task)
+        error = f"site {name}: task '{task}' failed: {type(exc).__name__}: {exc}"
+    return FLModel(params={}, meta={"pflseg_error": error, "site": name}), site
+
+
 def main() -> None:
     import nvflare.client as flare
     from nvflare.client.tracking import SummaryWriter
@@ -34,20 +62,7 @@ def main() -> None:
         if msg is None:
             break
         task = flare.get_task_name()
-        try:
-            if site is None:
-                cfg = check_effective(msg.meta["pflseg"], "job config sent by the server")
-                site = method(cfg).site(name, cfg, msg.meta["sites"])
-            handler = site.tasks().get(task)
-            if handler is None:
-                raise ValueError(f"site {name}: task '{task}' is not one of this method's tasks {sorted(site.tasks())}")
-            t0 = time.time()
-            out = handler(msg)
-            out.metrics = {**(out.metrics or {}), "compute_seconds": time.time() - t0}
-        except (DataError, ValueError, RuntimeError, OSError, FloatingPointError) as exc:
-            log.error("site %s: %s", name, exc)
-            out = FLModel(params={}, meta={"pflseg_error": str(exc), "site": name})
-            site = None if isinstance(exc, DataError) else site
+        out, site = answer(name, task, msg, site)
         for key, value in out.metrics.items() if out.metrics else []:
             if isinstance(value, (int, float)):
                 writer.add_scalar(f"{name}/{key}", value, msg.current_round or 0)

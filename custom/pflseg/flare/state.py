@@ -7,11 +7,15 @@ between rounds is here, results do not depend on how many simulator threads run 
 stopped run resumes from its last completed round.
 
 Where state lives: ``$PFLSEG_STATE_DIR/<site>/<job>`` when set (``pflseg run`` sets it), else the
-site-local config's ``state_dir``, else ``./pflseg_state/<job>`` under the site's working directory.
+site-local config's ``state_dir``, else ``./pflseg_state/<job>`` under the site's working directory. The
+job's name comes from whoever submits the job: a folder that would not lie inside its state root (an
+absolute name, ``..``) is refused. A file is durable once ``save_file`` returns (the file and its folder are
+fsynced); temporaries a crash left behind (``*.tmp``) are removed when a store is opened or cleared.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from pathlib import Path
@@ -26,20 +30,51 @@ class StateError(RuntimeError):
 
 
 def state_dir(site: str, job: str, configured: str | None = None) -> Path:
+    """The state folder of ``job`` at ``site`` (see the module docstring).
+
+    Raises:
+        ValueError: the folder would not lie inside its root (``job`` absolute, ``..``, several folders, empty).
+    """
     env = os.environ.get("PFLSEG_STATE_DIR")
     if env:
-        return Path(env) / site / job
-    if configured:
-        return Path(configured) / job
-    return Path.cwd() / "pflseg_state" / job
+        root, folder = Path(env), Path(env) / site / job
+    elif configured:
+        root, folder = Path(configured), Path(configured) / job
+    else:
+        root = Path.cwd() / "pflseg_state"
+        folder = root / job
+    if not job or len(Path(job).parts) != 1 or not inside(folder, root):
+        raise ValueError(f"state folder {folder} of job {job!r} at {site} is not inside the state root {root}: "
+                         "a job name is one plain folder name (^[A-Za-z0-9_-]+$)")
+    return folder
+
+
+def inside(path: str | Path, root: str | Path) -> bool:
+    """Whether ``path`` lies strictly inside ``root``, both made absolute and normalised (``..`` resolved
+    lexically, so symbolic links an operator made inside the root are followed as the operator meant)."""
+    path, root = Path(os.path.abspath(path)), Path(os.path.abspath(root))
+    return path != root and path.is_relative_to(root)
 
 
 class RoundStore:
-    """Per-round state files in one folder; keeps the last ``keep`` rounds (plus named files)."""
+    """Per-round state files in one folder; keeps the last ``keep`` rounds (plus named files).
 
-    def __init__(self, root: str | Path, keep: int = 2):
+    Opening a store removes the ``*.tmp`` files an interrupted write left in its folder, unless ``clean`` is
+    false (a store only read, e.g. another job's checkpoints).
+    """
+
+    def __init__(self, root: str | Path, keep: int = 2, clean: bool = True):
         self.root = Path(root)
         self.keep = keep
+        if clean:
+            self.remove_tmp()
+
+    def remove_tmp(self) -> None:
+        """Remove the temporaries (``*.tmp``) of writes that never completed."""
+        if self.root.is_dir():
+            for tmp in self.root.glob("*.tmp"):
+                if tmp.is_file():
+                    tmp.unlink(missing_ok=True)
 
     def path(self, round_num: int) -> Path:
         return self.root / f"round_{round_num:04d}.pt"
@@ -67,6 +102,7 @@ class RoundStore:
         for r in self.rounds():
             self.path(r).unlink(missing_ok=True)
         self.final_path.unlink(missing_ok=True)
+        self.remove_tmp()
 
     @property
     def final_path(self) -> Path:
@@ -84,11 +120,44 @@ class RoundStore:
 
 
 def save_file(path: str | Path, payload: dict) -> None:
+    """Write ``payload`` to ``path`` atomically and durably: temporary file, fsync, rename, fsync of the folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(payload, tmp)
+    with open(tmp, "wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """``save_file`` for a text file (e.g. results.json)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(folder: str | Path) -> None:
+    """Make a rename inside ``folder`` durable (a no-op where folders cannot be opened, e.g. Windows)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:  # file systems that cannot sync a folder say so; anything else is an error
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
 
 
 def load_file(path: str | Path) -> dict:

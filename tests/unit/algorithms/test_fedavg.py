@@ -32,3 +32,11 @@ def test_bad_weights_are_rejected(weights):
 def test_shape_mismatch_names_the_key():
     with pytest.raises(ValueError, match="'w'"):
         weighted_average([{"w": torch.ones(2)}, {"w": torch.ones(3)}], [1, 1])
+
+
+@pytest.mark.parametrize("other", [torch.float64, torch.int64])
+def test_dtype_mismatch_names_the_key_instead_of_following_the_first_state(other):
+    with pytest.raises(ValueError, match=r"'w'.*dtype"):
+        weighted_average([{"w": torch.ones(2)}, {"w": torch.ones(2, dtype=other)}], [1, 1])
+    with pytest.raises(ValueError, match=r"'w'.*dtype"):
+        weighted_average([{"w": torch.ones(2, dtype=other)}, {"w": torch.ones(2)}], [1, 1])

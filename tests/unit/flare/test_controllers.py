@@ -166,8 +166,8 @@ def test_fedsm_sends_each_site_only_its_own_personalized_model_and_label(tmp_pat
     n = {"site-1": 1, "site-2": 1, "site-3": 2}
 
     def reply(site, data):
-        params = dict(data.params)
-        params.update({f"moment.0.exp_avg": torch.full_like(ctrl.moment_ref["moment.0.exp_avg"], float(n[site]))})
+        params = dict(data.params)  # every moment key: an answer without all of them is left out
+        params.update({k: torch.full_like(v, float(n[site])) for k, v in ctrl.moment_ref.items()})
         return FLModel(params=params, metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": n[site]})
 
     before = {s: dict(p) for s, p in ctrl.person.items()}
@@ -187,8 +187,9 @@ def test_fedsm_site_that_drops_out_keeps_its_personalized_model(tmp_path, monkey
     ctrl = make("fedsm", tmp_path, monkeypatch)
     ctrl.person["site-3"] = scaled(ctrl.global_state, 5.0)
     kept = dict(ctrl.person["site-3"])
+    moments = {k: torch.ones_like(v) for k, v in ctrl.moment_ref.items()}
     Stub(ctrl, lambda site, data: None if site == "site-3" else
-         FLModel(params=data.params, metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": 1}))
+         FLModel(params={**data.params, **moments}, metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": 1}))
     ctrl.round(0)
     assert "site-3" in ctrl.missing
     assert all(torch.equal(ctrl.person["site-3"][k], kept[k]) for k in kept)

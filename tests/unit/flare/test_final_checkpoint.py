@@ -18,7 +18,8 @@ def test_final_checkpoint_holds_the_tested_models(tmp_path, monkeypatch):
     def reply(site, data):
         task = stub.sent[-1][0]
         if task == "train":  # every site returns what it got, scaled: the aggregate changes every round
-            params = {k: v * 1.5 if v.is_floating_point() and not k.startswith("moment") else v for k, v in data.params.items()}
+            params = {k: v * 1.5 if v.is_floating_point() else v for k, v in data.params.items() if not k.startswith("moment")}
+            params.update({k: torch.zeros_like(v) for k, v in ctrl.moment_ref.items()})  # the selector's Adam moments
             return FLModel(params=params, metrics={"val_dice": 0.1, "val_dice_person": 0.1}, meta={"NUM_STEPS_CURRENT_ROUND": 1})
         if task == "validate":  # the final aggregate scores best: it becomes the best global model only now
             return FLModel(params={}, metrics={"val_dice": 0.9, "val_dice_person": 0.9})

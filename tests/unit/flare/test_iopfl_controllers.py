@@ -58,9 +58,10 @@ def routing(tmp_path, monkeypatch, targets):
 
     monkeypatch.setenv("PFLSEG_STATE_DIR", str(tmp_path))
     state = {"w": torch.ones(2)}
-    save_file(tmp_path / "bundle" / "bundle.pt", {"sites": ["site-1", "site-2"], **prefixed("global", state),
+    bundle = tmp_path / "server" / "iopfl"  # the trained job's state folder, inside this server's state root
+    save_file(bundle / "bundle.pt", {"sites": ["site-1", "site-2"], **prefixed("global", state),
                                                    **prefixed("person.site-1", state), **prefixed("person.site-2", state)})
-    cfg = load_job_config("iopfl_route", overrides={**TINY, "iopfl": {"bundle": str(tmp_path / "bundle"), "targets": targets}})
+    cfg = load_job_config("iopfl_route", overrides={**TINY, "iopfl": {"bundle": str(bundle), "targets": targets}})
     ctrl = METHODS["iopfl_route"].controller(config=cfg)
     ctrl.sample_clients = lambda: ["site-1", "site-2", "site-3"]
     ctrl.get_run_dir = lambda: str(tmp_path / "run")

@@ -20,7 +20,7 @@ def reply_scaled(site, data, hc=True):
     params = prefixed("global", body)
     if hc:
         params.update(prefixed("head", {"weight": torch.full((1, 4, 1, 1), FACTOR[site]), "bias": torch.full((1,), FACTOR[site])}))
-    return FLModel(params=params, metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": 10 * FACTOR[site]})
+    return FLModel(params=params, metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": int(10 * FACTOR[site])})
 
 
 def test_lcfed_averages_the_shared_part_with_pcs_and_routes_the_others_heads(tmp_path, monkeypatch):

@@ -1,15 +1,24 @@
 """Shared machinery of pflseg's server workflows (FLARE ModelController).
 
 A method's controller implements ``round(r)``; this base gives it: ``setup()`` (config, sites, restore), the validated job config, one send per
-site with its own payload (``send_each``), update checks (NaN/Inf, shapes), min_clients, round
+site with its own payload (``send_each``), checks of every answer on arrival, min_clients, round
 checkpoints with resume, best-global tracking on validation Dice, the final validate + test phase and
 ``results.json``. Everything the server keeps between rounds is in the checkpoint, so a stopped job
 resumes from its last completed round.
+
+Trust at the boundary: a site's answer is data from another party. ``send_each`` checks each answer in
+isolation before anything uses it (``check_result``): the update against the reference the task sent (exact
+keys, shapes, dtypes, storage size, NaN/Inf), n_k (a positive integer, at most ``max_n_samples`` and at
+most the site's first accepted n_k), the metrics the task needs (Dice-like values in [0, 1], every number
+finite). A failing answer leaves that site out of that round with the reason in ``missing``; the others
+complete it, so no single site's answer can end the job or take the aggregate over.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 import time
 from pathlib import Path
@@ -23,7 +32,7 @@ from nvflare.app_opt.pt.decomposers import TensorDecomposer
 from nvflare.fuel.utils import fobs
 
 from pflseg.config import check_effective
-from pflseg.flare.state import RoundStore, StateError, prefixed, save_file, state_dir, unprefixed
+from pflseg.flare.state import RoundStore, StateError, inside, prefixed, save_file, state_dir, unprefixed, write_text
 from pflseg.nets import build_net
 from pflseg.train.loop import seed_everything
 
@@ -33,25 +42,102 @@ class RoundError(RuntimeError):
 
 
 def check_update(params: dict, reference: dict) -> str | None:
-    """Why a site's update cannot be used (unknown key, wrong shape, NaN/Inf), or None if it is fine.
+    """Why a site's update cannot be used, or None if it is fine.
 
-    ``reference`` maps every key a site may send (flat, prefixed: "global.x", "person.x", ...) to a tensor
-    of the expected shape.
+    ``reference`` maps every key a site must send (flat, prefixed: "global.x", "person.x", ...) to a tensor
+    of the expected shape and dtype. The update must have exactly these keys; every value a dense CPU tensor
+    of the reference's shape and dtype (so no site decides the dtype of an aggregate), holding no more bytes
+    than that shape needs, floating values finite.
     """
-    for key, value in params.items():
+    for key in params:
         if key not in reference:
             return f"unexpected key '{key}'"
+    missing = [key for key in reference if key not in params]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        return f"missing key '{missing[0]}'{more}"
+    for key, value in params.items():
+        ref = reference[key]
         if not torch.is_tensor(value):
             return f"'{key}' is {type(value).__name__}, not a tensor"
-        if tuple(value.shape) != tuple(reference[key].shape):
-            return f"'{key}' has shape {tuple(value.shape)}, expected {tuple(reference[key].shape)}"
+        if value.layout != torch.strided or value.device != ref.device:
+            return f"'{key}' has layout {value.layout} on {value.device}, expected {ref.layout} on {ref.device}"
+        if tuple(value.shape) != tuple(ref.shape):
+            return f"'{key}' has shape {tuple(value.shape)}, expected {tuple(ref.shape)}"
+        if value.dtype != ref.dtype:
+            return f"'{key}' has dtype {value.dtype}, expected {ref.dtype}"
+        needed, held = ref.numel() * ref.element_size(), value.untyped_storage().nbytes()
+        if held > needed:
+            return f"'{key}' holds {held} bytes of storage, its shape needs {needed}"
         if value.is_floating_point() and not torch.isfinite(value).all():
             return f"'{key}' contains NaN or Inf"
     return None
 
 
+def is_number(value) -> bool:
+    """A real number (int, float, numpy scalar), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and type(value).__name__ != "bool_"
+
+
+def is_finite(value) -> bool:
+    """A number that is finite as a float (an int too large for a float is not)."""
+    try:
+        return math.isfinite(float(value))
+    except (OverflowError, TypeError, ValueError):
+        return False
+
+
+def dice_like(key: str) -> bool:
+    return key.startswith(("val_dice", "test_dice"))
+
+
+#: Kinds of the values in a site's answer: name -> (check, what the value must be).
+KINDS = {
+    "dice": (lambda v: is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "number": (lambda v: is_number(v) and is_finite(v), "a finite number"),
+    "seconds": (lambda v: is_number(v) and is_finite(v) and v >= 0, "a finite number >= 0"),
+    "count": (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0, "an integer >= 0"),
+    "dict": (lambda v: isinstance(v, dict) and _json_ok(v), "a dict of JSON data"),
+    "list": (lambda v: isinstance(v, list) and _json_ok(v), "a list of JSON data"),
+}
+
+
+def _json_ok(value) -> bool:
+    try:
+        json.dumps(value, sort_keys=True)
+    except (TypeError, ValueError, RecursionError):
+        return False
+    return True
+
+
+def check_metrics(metrics: dict, required: dict[str, str]) -> str | None:
+    """Why ``metrics`` cannot be used, or None: every ``required`` metric present and of its kind; every
+    Dice-like metric (``val_dice*``, ``test_dice*``) a number in [0, 1]; every other number finite;
+    ``compute_seconds`` (added by the client script) a finite number >= 0."""
+    for key, kind in required.items():
+        if key not in metrics:
+            return f"no metric '{key}' ({KINDS[kind][1]})"
+    for key, value in metrics.items():
+        if not isinstance(key, str):
+            return f"metric name {key!r} is not a string"
+        kind = required.get(key) or ("dice" if dice_like(key) else "seconds" if key == "compute_seconds"
+                                     else "number" if is_number(value) else None)
+        if kind and not KINDS[kind][0](value):
+            return f"metric {key}={value!r} is not {KINDS[kind][1]}"
+    return None
+
+
 class RoundController(ModelController):
     """Base of every pflseg workflow: ``run()`` = restore, rounds, final test, results."""
+
+    #: What a site's answer to a task must carry in its metrics, checked on arrival so that no later step can
+    #: fail on one site's answer: task -> {metric: kind (``KINDS``)}. A method with its own tasks extends it.
+    task_metrics: dict[str, dict[str, str]] = {"train": {"val_dice": "dice"}, "validate": {"val_dice": "dice"},
+                                                "test": {"test": "dict"}}
+    #: The same for the answer's meta.
+    task_meta: dict[str, dict[str, str]] = {}
+    #: Tasks whose answers are aggregated with weight n_k: their meta must carry NUM_STEPS_CURRENT_ROUND.
+    weighted_tasks = ("train", "train_selector")
 
     def __init__(self, config: dict, task_check_period: float = 0.2):
         super().__init__(persistor_id="", ignore_result_error=True, task_check_period=task_check_period)
@@ -67,19 +153,19 @@ class RoundController(ModelController):
         """Everything before the first round: validated config, connected sites, state folder, network size,
         restored checkpoint. Returns the first round to run, or None after a panic (named in the log)."""
         fobs.register(TensorDecomposer)  # messages carry torch tensors end to end
-        self.cfg = check_effective(self.config, "server job config")
-        self.sites = sorted(self.sample_clients())
-        if len(self.sites) < self.cfg["min_clients"]:
-            self.panic(f"{len(self.sites)} site(s) connected but min_clients={self.cfg['min_clients']}")
-            return None
-        self.store = RoundStore(state_dir("server", self.cfg["name"]))
         self.missing: dict[str, str] = {}
         self.site_metrics: dict = {}
         try:
+            self.cfg = check_effective(self.config, "server job config")
+            self.sites = sorted(self.sample_clients())
+            if len(self.sites) < self.cfg["min_clients"]:
+                self.panic(f"{len(self.sites)} site(s) connected but min_clients={self.cfg['min_clients']}")
+                return None
+            self.store = RoundStore(state_dir("server", self.cfg["name"]))
             self.check_config(self.cfg)
             self.size_net()
             return self.restore()
-        except (ValueError, RuntimeError) as exc:  # bad method settings for this federation, corrupt checkpoint
+        except (ValueError, RuntimeError) as exc:  # bad config or name, bad method settings, corrupt checkpoint
             self.panic(str(exc))
             return None
 
@@ -131,6 +217,7 @@ class RoundController(ModelController):
         """Load the last completed round when resuming; else start fresh. Returns the first round to run."""
         self.global_state = self.initial_state()
         self.history, self.best, self.best_state = [], {"round": -1, "score": -1.0}, {}
+        self.n_first: dict[str, int] = {}  # each site's first accepted n_k: its later n_k may not exceed it
         latest = self.store.latest()
         if not self.cfg["resume"] or latest is None:
             self.store.clear()
@@ -139,15 +226,17 @@ class RoundController(ModelController):
         self.global_state.update(unprefixed("global", ckpt))
         self.best_state = unprefixed("best", ckpt)
         self.history, self.best = list(ckpt["history"]), dict(ckpt["best"])
+        self.n_first = dict(ckpt.get("n_first", {}))
         self.info(f"resuming after round {latest + 1} from {self.store.path(latest)}")
         return latest + 1
 
     def checkpoint(self, r: int) -> dict:
-        return {"round": r, "history": self.history, "best": self.best,
+        return {"round": r, "history": self.history, "best": self.best, "n_first": self.n_first,
                 **prefixed("global", self.global_state), **prefixed("best", self.best_state)}
 
     def track_best(self, r: int, results: dict[str, FLModel], state: dict) -> None:
-        """Keep the global model with the best n_k-weighted validation Dice (scored at the sites)."""
+        """Keep the global model with the best n_k-weighted validation Dice (scored at the sites; every answer's
+        val_dice and n_k were checked on arrival)."""
         scores = [(res.metrics["val_dice"], res.meta.get("NUM_STEPS_CURRENT_ROUND", 1) or 1) for res in results.values()]
         score = sum(s * n for s, n in scores) / sum(n for _, n in scores)
         self.round_metrics = {"val_dice": {s: res.metrics["val_dice"] for s, res in results.items()}, "val_dice_mean": score}
@@ -168,8 +257,9 @@ class RoundController(ModelController):
     def send_each(self, task: str, payloads: dict[str, FLModel], reference: dict | None = None) -> dict[str, FLModel]:
         """Send each site its own payload; wait; return usable results by site (sorted).
 
-        A site that fails, times out, reports an error or sends an unusable update is named in the log and
-        in ``self.missing``; fewer than ``min_clients`` usable answers raise RoundError. A site that gave
+        A site that fails, times out, reports an error or sends an unusable answer (``check_result``) is named
+        in the log and in ``self.missing``; fewer than ``min_clients`` usable answers raise RoundError. Only
+        usable answers are returned, so what follows cannot fail on one site's answer. A site that gave
         no result at all (crashed, disconnected, timed out) is out for the rest of the job: it gets no
         further tasks (no more waiting for a dead site), its personalized state stays as it last was.
         """
@@ -198,10 +288,8 @@ class RoundController(ModelController):
                 reason = "no result (site failed, disconnected or timed out)"
                 gone.add(site)
                 self.gone = gone
-            elif res.meta.get("pflseg_error"):
-                reason = res.meta["pflseg_error"]
-            elif reference is not None:
-                reason = check_update(res.params or {}, reference)
+            else:
+                reason = self.checked(task, site, res, reference)
             if reason:
                 self.error(f"{task}: site {site} left out of this round: {reason}")
                 self.missing[site] = reason
@@ -209,12 +297,63 @@ class RoundController(ModelController):
                 usable[site] = res
                 self.site_metrics[site] = {k: v for k, v in (res.metrics or {}).items()
                                            if isinstance(v, (int, float)) and k != "compute_seconds"}
+                n_k = res.meta.get("NUM_STEPS_CURRENT_ROUND")
+                if n_k is not None:
+                    self.n_first.setdefault(site, int(n_k))
         if len(usable) < need:
             raise RoundError(
                 f"task '{task}': only {len(usable)} of {len(payloads)} site(s) answered usably, min_clients={need}. "
                 f"Problems: " + "; ".join(f"{s}: {m}" for s, m in self.missing.items())
             )
         return usable
+
+    def checked(self, task: str, site: str, res: FLModel, reference: dict | None) -> str | None:
+        """``check_result``, with any exception in checking one answer made that answer's reason."""
+        try:
+            return self.check_result(task, site, res, reference)
+        except Exception as exc:  # a malformed answer must not end the job, whatever it holds
+            return f"malformed answer ({type(exc).__name__}: {exc})"
+
+    def check_result(self, task: str, site: str, res: FLModel, reference: dict | None) -> str | None:
+        """Why ``site``'s answer to ``task`` cannot be used, or None. Checks the site's error report, the
+        message body's types, the update against ``reference`` (``check_update``; when the task sent one),
+        the metrics the task needs (``task_metrics``, ``check_metrics``), its meta (``task_meta``) and n_k."""
+        meta = res.meta if isinstance(res.meta, dict) else {}
+        if meta.get("pflseg_error"):
+            return str(meta["pflseg_error"])[:2000]
+        if res.params is not None and not isinstance(res.params, dict) and hasattr(res.params, "items"):
+            res.params = dict(res.params.items())  # FLARE's lazily loaded tensors (disk offload)
+        for name in ("params", "metrics"):
+            value = getattr(res, name)
+            if value is not None and not isinstance(value, dict):
+                return f"{name} is {type(value).__name__}, not a dict"
+        if reference is not None:
+            reason = check_update(res.params or {}, reference)
+            if reason:
+                return reason
+        reason = check_metrics(res.metrics or {}, self.task_metrics.get(task, {}))
+        if reason:
+            return reason
+        for key, kind in self.task_meta.get(task, {}).items():
+            if key not in meta or not KINDS[kind][0](meta[key]):
+                return f"meta {key}={meta.get(key)!r} is not {KINDS[kind][1]}"
+        return self.check_n_k(task, site, meta)
+
+    def check_n_k(self, task: str, site: str, meta: dict) -> str | None:
+        """n_k (meta NUM_STEPS_CURRENT_ROUND, the aggregation weight): required for ``weighted_tasks``; where
+        given, a positive integer, at most ``max_n_samples`` and at most the site's first accepted n_k."""
+        key = "NUM_STEPS_CURRENT_ROUND"
+        if meta.get(key) is None:
+            return f"no {key} (n_k, the aggregation weight)" if task in self.weighted_tasks else None
+        n_k = meta[key]
+        if not isinstance(n_k, numbers.Integral) or isinstance(n_k, bool) or n_k < 1:
+            return f"{key}={n_k!r} is not a positive integer"
+        if n_k > self.cfg["max_n_samples"]:
+            return f"{key}={n_k} exceeds max_n_samples={self.cfg['max_n_samples']}"
+        first = self.n_first.get(site)
+        if first is not None and n_k > first:
+            return f"{key}={n_k} exceeds its first accepted value {first} (a site's n_k may not grow during a job)"
+        return None
 
     # ---- end of training ------------------------------------------------------------------------
     def final_params(self, site: str) -> dict:
@@ -257,10 +396,7 @@ class RoundController(ModelController):
         """``results.json`` into the server's state folder and FLARE's run folder, each written atomically."""
         text = json.dumps(results, indent=1, sort_keys=True)
         for folder in (self.store.root, Path(self.get_run_dir())):
-            folder.mkdir(parents=True, exist_ok=True)
-            tmp = folder / "results.json.tmp"
-            tmp.write_text(text)
-            os.replace(tmp, folder / "results.json")
+            write_text(folder / "results.json", text)
         self.info(f"results written to {self.store.root / 'results.json'}")
 
 
@@ -271,13 +407,18 @@ class PostTrainingController(RoundController):
 
     def setup(self) -> int | None:
         fobs.register(TensorDecomposer)
-        self.cfg = check_effective(self.config, "server job config")
-        self.sites, self.missing, self.history = sorted(self.sample_clients()), {}, []
-        self.store = RoundStore(state_dir("server", self.cfg["name"]))
+        self.sites, self.missing, self.history, self.n_first = sorted(self.sample_clients()), {}, [], {}
+        try:
+            self.cfg = check_effective(self.config, "server job config")
+            self.store = RoundStore(state_dir("server", self.cfg["name"]))
+        except ValueError as exc:
+            self.panic(str(exc))
+            return None
         return 0
 
     def run(self) -> None:
-        self.setup()
+        if self.setup() is None:
+            return
         try:
             results = self.post_training()
         except (RoundError, ValueError, StateError) as exc:
@@ -288,3 +429,18 @@ class PostTrainingController(RoundController):
 
     def post_training(self) -> dict:
         raise NotImplementedError
+
+    def bundle_folder(self, key: str) -> Path:
+        """The folder named by config ``key`` (``fedsm.bundle``, ``iopfl.bundle``): another job's server state
+        folder, which must lie inside this server's state root (the parent of its own state folder) or inside
+        a folder the server's operator lists in ``$PFLSEG_BUNDLE_ROOTS`` (os.pathsep-separated; the server's
+        environment, never the job). The job's submitter cannot make the server read files elsewhere."""
+        section, name = key.split(".")
+        value = self.cfg[section][name]
+        roots = [self.store.root.parent] + [Path(p) for p in os.environ.get("PFLSEG_BUNDLE_ROOTS", "").split(os.pathsep) if p]
+        if value and not any(inside(value, root) for root in roots):
+            extra = f" or in $PFLSEG_BUNDLE_ROOTS ({', '.join(map(str, roots[1:]))})" if roots[1:] else ""
+            raise ValueError(f"{key}={value!r} is not a folder inside the server's state root {roots[0]}{extra}: a bundle "
+                             "must be a trained job's server state folder of this deployment (the server's operator "
+                             "may allow more folders with PFLSEG_BUNDLE_ROOTS)")
+        return Path(value)

@@ -33,6 +33,8 @@ def moment_reference(selector) -> dict:
 
 
 class FedSMController(RoundController):
+    task_metrics = {**RoundController.task_metrics, "train_selector": {"selector_loss": "number"}}
+
     def restore(self) -> int:
         start = super().restore()
         check_lam(self.cfg["fedsm"]["lam"], len(self.sites))
@@ -118,10 +120,13 @@ class FedSMController(RoundController):
 class FedSMInferenceController(PostTrainingController):
     """Post-training job: hand the trained super model to every connected site (inside sites and sites that
     never trained) and collect, per site, the test Dice of the global, own personalized (inside sites only)
-    and super model for every gamma, with how often each model was chosen."""
+    and super model for every gamma, with how often each model was chosen. ``fedsm.bundle`` must lie inside
+    the server's state root (``PostTrainingController.bundle_folder``)."""
+
+    task_metrics = {"infer": {"infer": "dict"}}
 
     def post_training(self) -> dict:
-        bundle = RoundStore(self.cfg["fedsm"]["bundle"])
+        bundle = RoundStore(self.bundle_folder("fedsm.bundle"), clean=False)  # another job's folder: read only
         if not self.cfg["fedsm"]["bundle"] or bundle.latest() is None:
             raise ValueError(f"fedsm.bundle={self.cfg['fedsm']['bundle']!r} holds no FedSM checkpoint (round_NNNN.pt); "
                              "set it to the trained run's server state folder, e.g. runs/fedsm/state/server/fedsm")

@@ -11,6 +11,8 @@ from pflseg.flare.controllers.fedavg import FedAvgController
 
 
 class FTController(FedAvgController):
+    task_metrics = {**FedAvgController.task_metrics, "finetune": {"ft_best_epoch": "count", "ft_val_dice": "list"}}
+
     def personalize(self, last: int, best: dict) -> None:
         model = best or {f"global.{k}": v for k, v in self.global_state.items()}
         done = self.send_each("finetune", {s: self.message(last, model) for s in self.sites})

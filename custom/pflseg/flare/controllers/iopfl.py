@@ -6,14 +6,13 @@ every site submits its best P_k and the server writes the routing bundle ``bundl
 folder: {"sites", "global.*" (the best global model by validation), "person.<site>.*"}. Publishing shares
 the personalized models beyond the federation; the job config says so.
 
-``IOPFLRoutingController`` (job ``iopfl_route``): a post-training job. It reads ``<iopfl.bundle>/bundle.pt``,
+``IOPFLRoutingController`` (job ``iopfl_route``): a post-training job. It reads ``<iopfl.bundle>/bundle.pt``
+(``iopfl.bundle`` must lie inside the server's state root, ``PostTrainingController.bundle_folder``),
 sends it to the outside sites ``iopfl.targets`` (default: every connected site not in the bundle; an
 inside site is refused) and collects each site's routing and comparator Dice into ``results.json``.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from pflseg.flare.controllers.base import PostTrainingController
 from pflseg.flare.controllers.fedavg import FedAvgController
@@ -23,6 +22,8 @@ BUNDLE = "bundle.pt"
 
 
 class IOPFLController(FedAvgController):
+    task_meta = {"submit_model": {"round": "count"}}
+
     def after_test(self, results: dict) -> None:
         """With ``iopfl.publish``: every site submits its best P_k; the server writes the routing bundle."""
         if not self.cfg["iopfl"]["publish"] or self.abort_signal.triggered:
@@ -40,9 +41,11 @@ class IOPFLController(FedAvgController):
 
 
 class IOPFLRoutingController(PostTrainingController):
+    task_metrics = {"route": {"route": "dict"}}
+
     def post_training(self) -> dict:
         iopfl = self.cfg["iopfl"]
-        path = Path(iopfl["bundle"]) / BUNDLE
+        path = self.bundle_folder("iopfl.bundle") / BUNDLE
         if not iopfl["bundle"] or not path.is_file():
             raise ValueError(f"iopfl.bundle={iopfl['bundle']!r} holds no {BUNDLE}; set it to the trained IOP-FL run's server "
                              "state folder (e.g. runs/iopfl/state/server/iopfl), trained with iopfl.publish: true")
