@@ -5,6 +5,9 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+# one torch thread per pytest worker: tiny tensors gain nothing from more, and 4 workers each spinning two
+# threads beside the FLARE simulators oversubscribe the cores (a 3 s test took 270 s that way)
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -45,24 +45,10 @@ _FUNDUS_MAP = {"0": 2, "128": 1, "255": 0}
 _GENERIC_PARTS = ("train", "test")
 
 
-def index_dataset(
-    layout: str,
-    root: str | Path,
-    out: str | Path,
-    seed: int = 0,
-    val_fraction: float = 0.2,
-    test_fraction: float = 0.2,
-    classes: list[str] | None = None,
-    mask_threshold: float | None = None,
-) -> Path:
-    """Indexes a dataset in place and writes its data root (dataset.json + datalists).
-
-    Same arguments as :func:`index_report`.
-
-    Returns:
-        The data root ``out``.
-    """
-    return index_report(layout, root, out, seed, val_fraction, test_fraction, classes, mask_threshold).out
+def index_dataset(layout: str, root: str | Path, out: str | Path, *args, **kwargs) -> Path:
+    """Indexes a dataset in place and writes its data root (dataset.json + datalists); the arguments are
+    :func:`index_report`'s. Returns the data root ``out``."""
+    return index_report(layout, root, out, *args, **kwargs).out
 
 
 def index_report(
