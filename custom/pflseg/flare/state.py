@@ -10,19 +10,39 @@ Where state lives: ``$PFLSEG_STATE_DIR/<site>/<job>`` when set (``pflseg run`` s
 site-local config's ``state_dir``, else ``./pflseg_state/<job>`` under the site's working directory. The
 job's name comes from whoever submits the job: a folder that would not lie inside its state root (an
 absolute name, ``..``) is refused. A file is durable once ``save_file`` returns (the file and its folder are
-fsynced); temporaries a crash left behind (``*.tmp``) are removed when a store is opened or cleared.
+fsynced); temporaries a crash left behind (``*.tmp``) are removed when a store is opened or cleared. A write
+that fails (disk full, no permission) raises ``StateError`` naming the file and its folder, leaving no
+temporary behind and the files of earlier rounds as they were.
+
+Whose state it is: the folder is named after the job (``<state root>/<job name>``), and FLARE may run two jobs
+of one name one after the other, or at once. ``claim`` makes the folder the state of one FLARE job id: it
+records the id in ``owner.json``, holds an exclusive lock (``fcntl.flock`` on ``<folder>/.lock``) while the
+job runs there, refuses a second job of the same name while the first runs (``StateError`` naming the folder
+and the other job), and, when a fresh (non-resume) job of another id finds an earlier job's state, moves it
+aside to ``<job name>.<earlier job id>`` before anything is written: never deleted. ``resume: true``
+continues whatever is there. The simulator gives every run the job id ``simulate_job``: running it again
+is the same job, whose round-0 start replaces the state as before.
 """
 
 from __future__ import annotations
 
 import errno
+import json
+import logging
 import os
 import re
+import time
 from pathlib import Path
 
 import torch
 
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; ownership is still recorded
+    fcntl = None
+
 _ROUND_FILE = re.compile(r"round_(\d{4,})\.pt$")
+log = logging.getLogger("pflseg.state")
 
 
 class StateError(RuntimeError):
@@ -120,28 +140,35 @@ class RoundStore:
 
 
 def save_file(path: str | Path, payload: dict) -> None:
-    """Write ``payload`` to ``path`` atomically and durably: temporary file, fsync, rename, fsync of the folder."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    """Write ``payload`` to ``path`` atomically and durably: temporary file, fsync, rename, fsync of the folder.
+
+    Raises:
+        StateError: the write failed (e.g. disk full); names the file and its folder. No temporary is left and
+            an earlier file at ``path`` is unchanged.
+    """
+    _write(Path(path), lambda f: torch.save(payload, f), "wb")
 
 
 def write_text(path: str | Path, text: str) -> None:
     """``save_file`` for a text file (e.g. results.json)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _write(Path(path), lambda f: f.write(text), "w")
+
+
+def _write(path: Path, write, mode: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, mode) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        reason = exc.strerror or str(exc)
+        fix = "free space there" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "check the folder and its permissions"
+        raise StateError(f"could not write {path.name} into state folder {path.parent}: {reason} "
+                         f"(errno {errno.errorcode.get(exc.errno, exc.errno)}); {fix}") from exc
     fsync_dir(path.parent)
 
 
@@ -185,3 +212,109 @@ def unprefixed(prefix: str, flat: dict) -> dict:
     """Keys of ``flat`` that start with ``<prefix>.``, with the prefix removed."""
     head = prefix + "."
     return {k[len(head):]: v for k, v in flat.items() if k.startswith(head)}
+
+
+# ---- whose state: owner and lock ------------------------------------------------------------------------
+OWNER, LOCK = "owner.json", ".lock"
+#: Folders this process holds the lock of: absolute path -> (job id, lock file descriptor).
+_HELD: dict[str, tuple[str, int]] = {}
+
+
+def owner(folder: str | Path) -> str | None:
+    """The FLARE job id recorded in ``folder`` (None: none recorded, or unreadable)."""
+    try:
+        return str(json.loads((Path(folder) / OWNER).read_text())["job_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def claim(folder: str | Path, job_id: str, resume: bool, wait: float = 30.0) -> Path | None:
+    """Make ``folder`` the state folder of FLARE job ``job_id`` for as long as this process runs it.
+
+    Takes the exclusive lock ``<folder>/.lock`` (kept until ``release`` or the end of the process). Another
+    job holding it is an error at once; the same job id holding it (a previous worker of this job still
+    exiting, as the simulator swaps workers) is waited for up to ``wait`` seconds. A fresh job (``resume``
+    false) whose id differs from the recorded owner moves the earlier job's state aside, to
+    ``<folder>.<owner id>`` (``.2``, ``.3``, ... when taken), and starts with an empty folder; ``resume``
+    keeps what is there. The folder then records ``job_id`` as its owner.
+
+    Returns:
+        Where the earlier job's state was moved, or None.
+
+    Raises:
+        StateError: another job holds the folder (names the folder and that job).
+    """
+    folder = Path(os.path.abspath(folder))
+    held = _HELD.get(str(folder))
+    if held is not None:
+        if held[0] == job_id:
+            return None
+        raise _in_use(folder, held[0])
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = _lock(folder, job_id, wait)
+    try:
+        previous, moved = owner(folder), None
+        if previous != job_id and not resume and _holds_state(folder):
+            moved = _aside(folder, previous or "unknown")
+            os.rename(folder, moved)  # the held lock travels with the moved folder's .lock
+            folder.mkdir()
+            fd_new = _lock(folder, job_id, 0)
+            os.close(fd)
+            fd = fd_new
+        if previous != job_id or moved:
+            write_text(folder / OWNER, json.dumps({"job_id": job_id, "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                                  "previous": previous, "resumed": bool(resume and previous)}))
+    except BaseException:
+        os.close(fd)
+        raise
+    _HELD[str(folder)] = (job_id, fd)
+    return moved
+
+
+def release(folder: str | Path) -> None:
+    """Give up this process's lock on ``folder`` (taken by ``claim``); nothing when it holds none."""
+    held = _HELD.pop(os.path.abspath(folder), None)
+    if held is not None:
+        os.close(held[1])
+
+
+def _lock(folder: Path, job_id: str, wait: float) -> int:
+    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    if fcntl is None:
+        return fd
+    deadline, waiting = time.monotonic() + wait, False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                os.close(fd)
+                raise
+        holder = owner(folder)
+        if holder != job_id or time.monotonic() >= deadline:
+            os.close(fd)
+            raise _in_use(folder, holder)
+        if not waiting:
+            log.info("state folder %s: waiting for job %s's previous worker to let go of it", folder, job_id)
+            waiting = True
+        time.sleep(0.2)  # this job's previous worker is still exiting
+
+
+def _in_use(folder: Path, holder: str | None) -> StateError:
+    return StateError(f"state folder {folder} is in use by job {holder or '(unknown id)'}, which is running with the "
+                      f"same job name '{folder.name}' (it holds {folder / LOCK}); wait until that job ends, or give "
+                      "this job another name")
+
+
+def _holds_state(folder: Path) -> bool:
+    return any(p.name not in (OWNER, LOCK) for p in folder.iterdir())
+
+
+def _aside(folder: Path, job_id: str) -> Path:
+    base = folder.with_name(f"{folder.name}.{re.sub(r'[^A-Za-z0-9_-]+', '_', job_id)}")
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}.{n}")
+    return path

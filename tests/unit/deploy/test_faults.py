@@ -1,5 +1,6 @@
-"""Faults handled without a federation: a dead site is not waited for again, corrupt checkpoints stop a
-resume with a clear error, every torch.load in the package uses weights_only."""
+"""Faults handled without a federation: a dead site is asked again each round and left out again (it is
+re-admitted when it answers: tests/unit/flare/test_controllers.py), corrupt checkpoints stop a resume with a
+clear error, every torch.load in the package uses weights_only."""
 
 import re
 from pathlib import Path
@@ -14,15 +15,15 @@ from tests.unit.flare.test_controllers import Stub, make
 PACKAGE = Path(__file__).resolve().parents[3] / "custom" / "pflseg"
 
 
-def test_a_site_that_stopped_answering_gets_no_more_tasks(tmp_path, monkeypatch):
+def test_a_site_that_stopped_answering_is_asked_again_and_left_out_again(tmp_path, monkeypatch):
     ctrl = make("fedavg", tmp_path, monkeypatch, rounds=3)
     stub = Stub(ctrl, lambda site, data: None if site == "site-3" else
                 FLModel(params=data.params, metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": 1}))
     ctrl.round(0)
     ctrl.round(1)
     sent = [(task, site) for task, site, _ in stub.sent]
-    assert sent.count(("train", "site-3")) == 1 and sent.count(("train", "site-1")) == 2
-    assert ctrl.missing["site-3"].startswith("no result")
+    assert sent.count(("train", "site-3")) == 2 and sent.count(("train", "site-1")) == 2
+    assert ctrl.missing["site-3"].startswith("no result") and set(ctrl.round_metrics["val_dice"]) == {"site-1", "site-2"}
 
 
 def test_min_clients_counts_the_dead_site(tmp_path, monkeypatch):

@@ -213,3 +213,76 @@ def test_grace_needs_two_sites(tmp_path, monkeypatch):
     ctrl.sites = ["site-1"]
     with pytest.raises(ValueError, match="at least 2"):
         ctrl.restore()
+
+
+def test_a_site_that_gave_no_result_is_sent_the_next_round_and_counts_when_it_answers(tmp_path, monkeypatch):
+    ctrl = make("fedavg", tmp_path, monkeypatch)
+    g0 = dict(ctrl.global_state)
+    factor = {"site-1": 1.0, "site-2": 1.0, "site-3": 4.0}
+
+    def reply(site, data):
+        if site == "site-3" and data.current_round == 0:
+            return None  # timed out / crashed in round 0
+        return FLModel(params=prefixed("global", scaled(unprefixed("global", data.params), factor[site])),
+                       metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": 1})
+
+    stub = Stub(ctrl, reply)
+    ctrl.round(0)
+    assert "site-3" in ctrl.missing and set(ctrl.round_metrics["val_dice"]) == {"site-1", "site-2"}
+    g1 = dict(ctrl.global_state)
+    ctrl.round(1)
+    assert [s for t, s, d in stub.sent if d.current_round == 1] == ["site-1", "site-2", "site-3"]  # re-admitted
+    assert set(ctrl.round_metrics["val_dice"]) == {"site-1", "site-2", "site-3"}
+    key = next(k for k, v in g0.items() if v.is_floating_point() and v.abs().sum() > 0)
+    assert torch.allclose(ctrl.global_state[key], g1[key] * (1 + 1 + 4) / 3, atol=1e-6)  # site-3 in round 1's mean
+
+
+def test_a_site_that_fails_again_is_left_out_of_that_round_again(tmp_path, monkeypatch):
+    ctrl = make("fedavg", tmp_path, monkeypatch)
+    Stub(ctrl, lambda site, data: None if site == "site-3" else
+         FLModel(params=data.params, metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": 1}))
+    for r in range(2):
+        ctrl.round(r)
+        assert set(ctrl.round_metrics["val_dice"]) == {"site-1", "site-2"} and "site-3" in ctrl.missing
+
+
+def test_the_default_task_timeout_is_finite():
+    assert 0 < load_job_config("fedavg")["task_timeout"] <= 24 * 3600
+
+
+class Ctx:
+    def __init__(self, job_id):
+        self.job_id = job_id
+
+    def get_job_id(self):
+        return self.job_id
+
+
+def server(tmp_path, monkeypatch, job_id, **over):
+    monkeypatch.setenv("PFLSEG_STATE_DIR", str(tmp_path))
+    ctrl = METHODS["fedavg"].controller(config=load_job_config("fedavg", overrides={**TINY, **over}))
+    ctrl.fl_ctx = Ctx(job_id)
+    ctrl.sample_clients = lambda: ["site-1", "site-2"]
+    ctrl.info = ctrl.warning = ctrl.error = lambda msg: None
+    panics = []
+    ctrl.panic = panics.append
+    return ctrl, panics
+
+
+def test_the_server_claims_its_state_folder_for_the_job_id(tmp_path, monkeypatch):
+    from pflseg.flare.state import owner, release
+
+    folder = tmp_path / "server" / "fedavg"
+    first, _ = server(tmp_path, monkeypatch, "job-a")
+    assert first.setup() == 0 and owner(folder) == "job-a"
+    first.store.save(0, {"round": 0})
+    second, panics = server(tmp_path, monkeypatch, "job-b")
+    assert second.setup() is None  # job-a still runs: job-b ends at once
+    assert f"state folder {folder} is in use by job job-a" in panics[0]
+    release(folder)  # job-a ends
+    third, panics = server(tmp_path, monkeypatch, "job-b")
+    try:
+        assert third.setup() == 0 and not panics and owner(folder) == "job-b"
+        assert (tmp_path / "server" / "fedavg.job-a" / "round_0000.pt").is_file() and third.store.rounds() == []
+    finally:
+        release(folder)

@@ -1,7 +1,15 @@
+import errno
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
-from pflseg.flare.state import RoundStore, StateError, load_file, prefixed, save_file, unprefixed
+from pflseg.flare.state import RoundStore, StateError, claim, load_file, owner, prefixed, release, save_file, unprefixed
 
 
 def test_round_store_keeps_last_rounds_and_roundtrips(tmp_path):
@@ -31,3 +39,96 @@ def test_prefix_roundtrip():
     state = {"a.b": torch.ones(1)}
     flat = prefixed("global", state)
     assert list(flat) == ["global.a.b"] and unprefixed("global", flat) == state
+
+
+# ---- whose state: owner.json, the lock, an earlier job's state moved aside ---------------------------------
+@pytest.fixture
+def folder(tmp_path):
+    path = tmp_path / "site-1" / "fedbn"
+    yield path
+    release(path)
+
+
+def test_claim_records_the_owner_and_a_rerun_of_the_same_job_keeps_its_state(folder):
+    assert claim(folder, "simulate_job", resume=False) is None
+    assert owner(folder) == "simulate_job" and (folder / ".lock").is_file()
+    save_file(folder / "round_0000.pt", {"round": 0})
+    release(folder)
+    assert claim(folder, "simulate_job", resume=False) is None  # the simulator's next run: the same job id
+    assert (folder / "round_0000.pt").is_file()  # left to the job (its round 0 replaces it, as before)
+
+
+def test_a_fresh_job_of_another_id_moves_the_earlier_state_aside_never_deletes(folder):
+    claim(folder, "job-a", resume=False)
+    save_file(folder / "round_0003.pt", {"round": 3})
+    save_file(folder / "best.pt", {"round": 2})
+    release(folder)
+    moved = claim(folder, "job-b", resume=False)
+    assert moved == folder.with_name("fedbn.job-a")
+    assert sorted(p.name for p in moved.iterdir()) == [".lock", "best.pt", "owner.json", "round_0003.pt"]
+    assert owner(moved) == "job-a" and owner(folder) == "job-b"
+    assert sorted(p.name for p in folder.iterdir()) == [".lock", "owner.json"]  # job-b starts empty
+    release(folder)
+    save_file(folder / "round_0000.pt", {"round": 0})
+    claim(folder, "job-a", resume=False)  # job-a's id again (e.g. the simulator's): its old folder is taken
+    assert folder.with_name("fedbn.job-b").is_dir() and moved.is_dir()
+    release(folder)
+    save_file(folder / "round_0000.pt", {"round": 0})
+    assert claim(folder, "job-b", resume=False) == folder.with_name("fedbn.job-a.2")
+
+
+def test_resume_continues_whatever_is_there_under_the_new_id(folder):
+    claim(folder, "job-a", resume=False)
+    save_file(folder / "round_0001.pt", {"round": 1})
+    release(folder)
+    assert claim(folder, "job-b", resume=True) is None
+    assert (folder / "round_0001.pt").is_file() and owner(folder) == "job-b"
+    assert json.loads((folder / "owner.json").read_text())["previous"] == "job-a"
+
+
+def test_state_of_unknown_owner_is_moved_aside_too(folder):
+    save_file(folder / "round_0000.pt", {"round": 0})  # written before owners were recorded
+    assert claim(folder, "job-b", resume=False) == folder.with_name("fedbn.unknown")
+
+
+def test_a_second_job_of_the_same_name_fails_at_once_naming_the_folder_and_the_job(folder):
+    claim(folder, "job-a", resume=False)
+    with pytest.raises(StateError) as err:
+        claim(folder, "job-b", resume=False)  # the same process
+    assert str(folder) in str(err.value) and "job-a" in str(err.value)
+
+
+def test_the_lock_holds_across_processes(folder):
+    script = textwrap.dedent(f"""
+        import sys, time
+        from pflseg.flare.state import claim
+        claim({str(folder)!r}, "job-a", resume=False)
+        print("held", flush=True)
+        sys.stdin.read()
+    """)
+    holder = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(StateError, match=rf"{re.escape(str(folder))} is in use by job job-a"):
+            claim(folder, "job-b", resume=False, wait=5)  # another job: at once, no waiting
+        assert owner(folder) == "job-a" and not folder.with_name("fedbn.job-a").exists()
+    finally:
+        holder.communicate("")
+    claim(folder, "job-b", resume=False)  # free once the other job ended
+    assert owner(folder) == "job-b"
+
+
+@pytest.mark.parametrize("broken", ["save", "replace"])
+def test_a_full_disk_is_a_state_error_naming_the_folder_and_leaves_the_old_file(broken, tmp_path, monkeypatch):
+    path = tmp_path / "site-1" / "fedbn" / "round_0001.pt"
+    save_file(path, {"round": 1, "w": torch.ones(2)})
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch if broken == "save" else os, broken, full)
+    with pytest.raises(StateError, match=rf"round_0001.pt into state folder {re.escape(str(path.parent))}: No space left .*ENOSPC.*free space"):
+        save_file(path, {"round": 1, "w": torch.zeros(2)})
+    monkeypatch.undo()
+    assert sorted(p.name for p in path.parent.iterdir()) == ["round_0001.pt"]  # no temporary left
+    assert torch.equal(load_file(path)["w"], torch.ones(2))

@@ -11,7 +11,11 @@ isolation before anything uses it (``check_result``): the update against the ref
 keys, shapes, dtypes, storage size, NaN/Inf), n_k (a positive integer, at most ``max_n_samples`` and at
 most the site's first accepted n_k), the metrics the task needs (Dice-like values in [0, 1], every number
 finite). A failing answer leaves that site out of that round with the reason in ``missing``; the others
-complete it, so no single site's answer can end the job or take the aggregate over.
+complete it, so no single site's answer can end the job or take the aggregate over. A site left out of a
+round is sent the next round's task again (re-admitted when it answers; left out again when it does not).
+
+Whose state: ``setup`` claims the server's state folder for the FLARE job's id (``pflseg.flare.state.claim``:
+owner recorded, exclusive lock held until the job ends, an earlier job's state of the same name moved aside).
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from nvflare.app_opt.pt.decomposers import TensorDecomposer
 from nvflare.fuel.utils import fobs
 
 from pflseg.config import check_effective
-from pflseg.flare.state import RoundStore, StateError, inside, prefixed, save_file, state_dir, unprefixed, write_text
+from pflseg.flare.state import (RoundStore, StateError, claim, inside, prefixed, release, save_file, state_dir, unprefixed,
+                                write_text)
 from pflseg.nets import build_net
 from pflseg.train.loop import seed_everything
 
@@ -161,7 +166,7 @@ class RoundController(ModelController):
             if len(self.sites) < self.cfg["min_clients"]:
                 self.panic(f"{len(self.sites)} site(s) connected but min_clients={self.cfg['min_clients']}")
                 return None
-            self.store = RoundStore(state_dir("server", self.cfg["name"]))
+            self.store = self.open_store()
             self.check_config(self.cfg)
             self.size_net()
             return self.restore()
@@ -169,7 +174,30 @@ class RoundController(ModelController):
             self.panic(str(exc))
             return None
 
+    def flare_job_id(self) -> str | None:
+        """The FLARE job's id (``simulate_job`` in the simulator); None outside FLARE (tests)."""
+        fl_ctx = getattr(self, "fl_ctx", None)
+        return fl_ctx.get_job_id() if fl_ctx is not None else None
+
+    def open_store(self) -> RoundStore:
+        """The server's state folder of this job, claimed for the FLARE job's id (see the module docstring)."""
+        folder = state_dir("server", self.cfg["name"])
+        job_id = self.flare_job_id()
+        if job_id is not None:
+            moved = claim(folder, job_id, self.cfg["resume"])
+            self.claimed = folder
+            if moved:
+                self.info(f"job {job_id} starts afresh; the earlier job's state of this name is now in {moved}")
+        return RoundStore(folder)
+
     def run(self) -> None:
+        try:
+            self.run_rounds()
+        finally:
+            if getattr(self, "claimed", None) is not None:
+                release(self.claimed)
+
+    def run_rounds(self) -> None:
         start = self.setup()
         if start is None:
             return
@@ -257,18 +285,14 @@ class RoundController(ModelController):
     def send_each(self, task: str, payloads: dict[str, FLModel], reference: dict | None = None) -> dict[str, FLModel]:
         """Send each site its own payload; wait; return usable results by site (sorted).
 
-        A site that fails, times out, reports an error or sends an unusable answer (``check_result``) is named
-        in the log and in ``self.missing``; fewer than ``min_clients`` usable answers raise RoundError. Only
-        usable answers are returned, so what follows cannot fail on one site's answer. A site that gave
-        no result at all (crashed, disconnected, timed out) is out for the rest of the job: it gets no
-        further tasks (no more waiting for a dead site), its personalized state stays as it last was.
+        A site that fails, times out (``task_timeout``), reports an error or sends an unusable answer
+        (``check_result``) is named in the log and in ``self.missing``; fewer than ``min_clients`` usable
+        answers raise RoundError. Only usable answers are returned, so what follows cannot fail on one site's
+        answer. A site left out is left out of this task only: the next task goes to it again, and its answer
+        counts when it is usable (its personalized state continues from the latest round it completed).
         """
         results: dict[str, FLModel] = {}
-        gone = getattr(self, "gone", set())
-        for site in sorted(set(payloads) & gone):
-            self.error(f"{task}: site {site} left out: out of the job since it stopped answering")
         need = min(self.cfg["min_clients"], len(payloads))
-        payloads = {s: p for s, p in payloads.items() if s not in gone}
 
         def collect(result: FLModel):
             results[result.meta.get("client_name", "?")] = result
@@ -286,8 +310,6 @@ class RoundController(ModelController):
             reason = None
             if res is None:
                 reason = "no result (site failed, disconnected or timed out)"
-                gone.add(site)
-                self.gone = gone
             else:
                 reason = self.checked(task, site, res, reference)
             if reason:
@@ -410,13 +432,13 @@ class PostTrainingController(RoundController):
         self.sites, self.missing, self.history, self.n_first = sorted(self.sample_clients()), {}, [], {}
         try:
             self.cfg = check_effective(self.config, "server job config")
-            self.store = RoundStore(state_dir("server", self.cfg["name"]))
-        except ValueError as exc:
+            self.store = self.open_store()
+        except (ValueError, StateError) as exc:
             self.panic(str(exc))
             return None
         return 0
 
-    def run(self) -> None:
+    def run_rounds(self) -> None:
         if self.setup() is None:
             return
         try:

@@ -3,7 +3,7 @@
 
 The round skeleton (``Site.train``)::
 
-    seed, prev = begin_round(r)                # seed from (seed, site, r); previous round's state from disk
+    seed, prev = begin_round(r)                # seed from (seed, site, r); the site's latest completed state
     model      = model_for_round(params, r)    # the method's model for this site now
     before     = score_before(model, r)        # validation Dice of what the site received
     hooks      = round_hooks(model, prev)      # the method's plug-ins to the one training loop
@@ -13,6 +13,12 @@ The round skeleton (``Site.train``)::
 The job's configuration arrives from the server (``meta["pflseg"]``); the site's data, device and state
 folder come from its own local settings (``pflseg.flare.settings``). Everything kept between rounds is on
 disk (``pflseg.flare.state``), so results do not depend on the simulator's thread count.
+
+A round starts from the site's latest completed state, not necessarily the previous round's: a site left
+out of a round (slow, failed, disk full) is sent the next round's task again and continues from what it
+last completed; an unreadable state file (truncated) is named in the log and the round before it is used.
+Run in FLARE, the site claims its state folder for the job's id (``pflseg.flare.state.claim``). What a reply
+may carry besides the method's models is in ``pflseg.flare.privacy``.
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 from torch.utils.data import ConcatDataset
 
 from pflseg.data import DataError, load_dataset_info, pooled_dataset, site_dataset
+from pflseg.flare.privacy import Pseudonyms, public_metrics
 from pflseg.flare.settings import resolve_data, site_settings
-from pflseg.flare.state import RoundStore, load_file, prefixed, save_file, state_dir, unprefixed
+from pflseg.flare.state import RoundStore, StateError, claim, load_file, prefixed, save_file, state_dir, unprefixed
 from pflseg.nets import build_net
 from pflseg.train import Hooks, build_loss, build_optimizer, derive_seed, evaluate, make_loader, pick_device, seed_everything, train_epochs
 
@@ -42,6 +49,10 @@ def cpu_state(model: torch.nn.Module) -> dict:
 class Site:
     """One site's side of a pflseg job: data, model and state on disk.
 
+    Args:
+        job_id: the FLARE job's id (``flare.get_job_id()``): the site claims its state folder for it (owner,
+            lock, an earlier job's state moved aside). None (sites called in-process, e.g. tests): no claim.
+
     Attributes:
         personalized: True when the site's model is its own (tables report the site's best model);
             False when it is the server's global model.
@@ -49,7 +60,7 @@ class Site:
 
     personalized = True
 
-    def __init__(self, name: str, cfg: dict, sites: list[str]):
+    def __init__(self, name: str, cfg: dict, sites: list[str], job_id: str | None = None):
         self.name, self.cfg, self.sites = name, cfg, sites
         self.settings = site_settings(name)
         self.device = pick_device(self.settings["device"])
@@ -64,8 +75,15 @@ class Site:
                 f"but the job's network takes net.in_channels={cfg['net']['in_channels']} and predicts "
                 f"net.out_channels={cfg['net']['out_channels']}; use a job config made for this data"
             )
-        self.store = RoundStore(state_dir(name, cfg["name"], self.settings["state_dir"]))
+        folder = state_dir(name, cfg["name"], self.settings["state_dir"])
+        if job_id is not None:
+            moved = claim(folder, job_id, cfg["resume"])
+            if moved:
+                log.info("site %s: job %s starts afresh; the earlier job's state is now in %s", name, job_id, moved)
+        self.store = RoundStore(folder)
         self.best_path = self.store.root / "best.pt"
+        self.pseudonyms = Pseudonyms(self.store.root.parent)
+        self._told: set = set()  # fall-backs already named in the log
         self.net = build_net(cfg["net"])
         self._data: dict = {}
 
@@ -108,26 +126,50 @@ class Site:
 
     # ---- the round skeleton ---------------------------------------------------------------------
     def begin_round(self, r: int) -> tuple[int, dict]:
-        """Round ``r`` starts: a fresh job clears old state at round 0; seed everything; the previous round's state."""
+        """Round ``r`` starts: a fresh job clears old state at round 0; seed everything; the site's latest
+        completed state before round ``r`` (``latest_state``; {} in round 0)."""
         if r == 0 and not self.cfg["resume"]:
             self.store.clear()
             self.best_path.unlink(missing_ok=True)
         seed = derive_seed(self.cfg["seed"], self.name, r)
         seed_everything(seed)
-        return seed, self.store.load(r - 1) if r > 0 and r - 1 in self.store.rounds() else {}
+        return seed, self.latest_state(r)[1]
 
-    def own_state(self, round_num: int) -> dict | None:
-        """The site's own model after round ``round_num`` (None before its first round)."""
-        if round_num < 0:
-            return None
-        return unprefixed("model", self.store.load(round_num)) if round_num in self.store.rounds() else None
+    def latest_state(self, r: int) -> tuple[int | None, dict]:
+        """``(round, state)`` of the site's latest completed round before round ``r``; ``(None, {})`` when none.
+
+        Normally round ``r - 1``; an earlier one when the site was left out of rounds (its state stays as it
+        last was). A file that cannot be read (``StateError``, e.g. truncated) is named in the log and the round
+        before it is used; when none before it can be read, that StateError is raised.
+        """
+        error = None
+        for done in sorted((x for x in self.store.rounds() if x < r), reverse=True):
+            try:
+                state = self.store.load(done)
+            except StateError as exc:
+                if ("bad", r, done) not in self._told:
+                    log.warning("site %s: %s; falling back to the round before it", self.name, exc)
+                    self._told.add(("bad", r, done))
+                error = error or exc
+                continue
+            if done < r - 1 and ("from", r, done) not in self._told:
+                log.info("site %s: round %d continues from the site's state of round %d (its latest completed one)",
+                         self.name, r, done)
+                self._told.add(("from", r, done))
+            return done, state
+        if error is not None:
+            raise error
+        return None, {}
 
     def require_own(self, round_num: int) -> dict | None:
-        """``own_state(round_num - 1)``, an error when a later round finds none (state removed, moved site)."""
-        own = self.own_state(round_num - 1)
-        if round_num > 0 and own is None:
+        """The site's own model from its latest completed round before ``round_num`` (None in round 0); an
+        error when a later round finds none (state removed, moved site)."""
+        if round_num <= 0:
+            return None
+        own = unprefixed("model", self.latest_state(round_num)[1])
+        if not own:
             raise RuntimeError(
-                f"site {self.name}: no state for round {round_num - 1} in {self.store.root}; "
+                f"site {self.name}: no state before round {round_num} in {self.store.root}; "
                 "the site state was removed or the job was resumed at another site"
             )
         return own
@@ -177,6 +219,9 @@ class Site:
         return stats, optimizer.state_dict()
 
     def reply(self, params: dict, metrics: dict, n_samples: int | None = None, **meta) -> FLModel:
+        """The site's answer: ``params`` (what the method sends), ``metrics`` made fit to leave the site
+        (``pflseg.flare.privacy.public_metrics``: no per-case entries unless ``privacy.per_case``, no paths)."""
+        metrics = public_metrics(metrics, self.cfg["privacy"]["per_case"], self.pseudonyms, self.store.root.parent)
         meta = {**meta, "site": self.name}
         if n_samples is not None:
             meta["NUM_STEPS_CURRENT_ROUND"] = n_samples

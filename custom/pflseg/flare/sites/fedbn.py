@@ -9,8 +9,8 @@ from pflseg.flare.state import prefixed, unprefixed
 
 
 class FedBNSite(Site):
-    def __init__(self, name: str, cfg: dict, sites: list[str]):
-        super().__init__(name, cfg, sites)
+    def __init__(self, name: str, cfg: dict, sites: list[str], job_id: str | None = None):
+        super().__init__(name, cfg, sites, job_id)
         self.norm = norm_keys(self.net)
 
     def model_for_round(self, received: dict, round_num: int):

@@ -25,8 +25,8 @@ from pflseg.train import Hooks
 class GraceSite(FedAvgSite):
     personalized = True
 
-    def __init__(self, name: str, cfg: dict, sites: list[str]):
-        super().__init__(name, cfg, sites)
+    def __init__(self, name: str, cfg: dict, sites: list[str], job_id: str | None = None):
+        super().__init__(name, cfg, sites, job_id)
         self.inner: dict = {}
 
     def score_before(self, model, round_num: int) -> dict:

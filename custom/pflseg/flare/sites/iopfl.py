@@ -1,11 +1,13 @@
 """IOP-FL, the site's side (ALGORITHMS.md section 3).
 
 Training (job ``iopfl``): every round the site receives the global model w_g^t, scores it on its
-validation and test splits, trains it with the one loop (plain FedAvg local training) into w_k, updates
-its local adapted model P_k (``pflseg.algorithms.iopfl.update_person``), scores P_k on validation and
-test next to the global model, keeps the best P_k by validation Dice (``best.pt``) and sends w_k back.
-P_k, the Adam moments and w_g^t (for the ``paper_eq4`` rule) are in the round's state file on disk:
-P_k never leaves the site during training. At the end ``submit_model`` hands out the best P_k (only when
+validation split, trains it with the one loop (plain FedAvg local training) into w_k, updates its local
+adapted model P_k (``pflseg.algorithms.iopfl.update_person``, from the site's latest completed state), scores
+P_k on validation next to the global model, keeps the best P_k by validation Dice (``best.pt``) and sends
+w_k back. With ``privacy.round_test: true`` it also scores both on its test split every round and sends
+``test_dice_global`` / ``test_dice_person`` (default: the test split is scored once, at the end). P_k, the
+Adam moments and w_g^t (for the ``paper_eq4`` rule) are in the round's state file on disk: P_k never leaves
+the site during training. At the end ``submit_model`` hands out the best P_k (only when
 the job publishes the routing bundle, ``iopfl.publish``); ``test`` scores the server's best global model
 and the best P_k on the test split.
 
@@ -38,12 +40,13 @@ class IOPFLSite(Site):
         r, cfg = msg.current_round, self.cfg
         seed, prev = self.begin_round(r)
         if r > 0 and not prev:
-            raise RuntimeError(f"site {self.name}: no state for round {r - 1} in {self.store.root} (P_k lives there); "
+            raise RuntimeError(f"site {self.name}: no state before round {r} in {self.store.root} (P_k lives there); "
                                "the site state was removed or the job was resumed at another site")
         model = self.model_for_round(msg.params, r)
         glob = cpu_state(model)
         val_g = self.evaluate(model)
-        test_g = self.evaluate(model, "testing")
+        round_test = cfg["privacy"]["round_test"]
+        test_g = self.evaluate(model, "testing") if round_test else None
         t0 = time.time()
         stats, optim = self.fit(model, "model", prev, seed)
         train_s = time.time() - t0
@@ -54,11 +57,11 @@ class IOPFLSite(Site):
         net = build_net(cfg["net"])
         net.load_state_dict(person)
         val_p = self.track(net, r)  # best.pt = the best P_k by validation Dice
-        test_p = self.evaluate(net, "testing")
         self.store.save(r, {"round": r, "optim.model": optim, **prefixed("person", person), **prefixed("globalin", glob)})
-        metrics = {"val_dice": val_g["dice"], "val_dice_person": val_p["dice"], "test_dice_global": test_g["dice"],
-                   "test_dice_person": test_p["dice"], "train_loss": stats["loss"], "train_seconds": train_s,
-                   "n_samples": stats["samples"]}
+        metrics = {"val_dice": val_g["dice"], "val_dice_person": val_p["dice"], "train_loss": stats["loss"],
+                   "train_seconds": train_s, "n_samples": stats["samples"]}
+        if round_test:
+            metrics.update(test_dice_global=test_g["dice"], test_dice_person=self.evaluate(net, "testing")["dice"])
         return self.reply(prefixed("global", local), metrics, stats["samples"])
 
     def validate(self, msg: FLModel) -> FLModel:

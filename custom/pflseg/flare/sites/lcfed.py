@@ -30,8 +30,8 @@ class LCFedSite(Site):
     #: PCS site contrast and head calibration (FedRep: neither)
     calibrated = True
 
-    def __init__(self, name: str, cfg: dict, sites: list[str]):
-        super().__init__(name, cfg, sites)
+    def __init__(self, name: str, cfg: dict, sites: list[str], job_id: str | None = None):
+        super().__init__(name, cfg, sites, job_id)
         self.k = sorted(sites).index(name)
         self.net.site = self.k  # PCS uses this site's embedding
         self.step_cfg = self.step_config()
@@ -45,12 +45,13 @@ class LCFedSite(Site):
                 "contrast_on": lc["contrast_on"]}
 
     def previous(self, r: int) -> dict:
-        """The site's latest round state before round ``r`` (a round it was left out of is skipped)."""
-        rounds = [x for x in self.store.rounds() if x < r]
-        if r > 0 and not rounds:
+        """The site's latest completed round state before round ``r`` (``latest_state``: a round it was left
+        out of is skipped, an unreadable file falls back to the round before it)."""
+        state = self.latest_state(r)[1]
+        if r > 0 and not state:
             raise RuntimeError(f"site {self.name}: no state before round {r} in {self.store.root} (its heads live there); "
                                "the site state was removed or the job was resumed at another site")
-        return self.store.load(max(rounds)) if rounds else {}
+        return state
 
     def model_now(self, msg: FLModel, prev: dict) -> tuple[torch.nn.Module, dict]:
         """Own model (heads from ``prev``) with the received shared part; the other sites' heads by site."""

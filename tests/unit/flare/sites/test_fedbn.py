@@ -27,5 +27,5 @@ def test_local_sends_nothing_and_needs_its_previous_round(federation):
     site = fed.site()
     assert site.train(fed.message(0)).params == {}
     assert site.train(fed.message(1, {})).params == {}
-    with pytest.raises(RuntimeError, match="no state for round 2"):
+    with pytest.raises(RuntimeError, match="no state before round 3"):
         fed.site("site-2").train(fed.message(3, {}))

@@ -1,0 +1,223 @@
+"""What leaves a site: with the default config, nothing a site sends names a file of its data set or holds an
+absolute path, and test metrics leave only at the end. Every task of every method's site class is answered
+through the client script's ``answer`` (as FLARE calls it) on the tiny data set; everything in each reply
+(params keys, metrics, meta; keys and values, walked recursively) is searched."""
+
+import re
+
+import pytest
+from nvflare.app_common.abstract.fl_model import FLModel
+
+from pflseg.flare.client import answer
+from pflseg.flare.privacy import public_text
+from pflseg.flare.state import prefixed
+from pflseg.nets.selector import build_selector, selector_cfg
+from tests.unit.flare.sites.conftest import SITES
+
+LC = {"net": {"name": "lcfed", "channels": [4, 8, 8], "strides": [2, 2]}}
+FINAL = 2  # the tiny config's rounds: the final validate / test tasks carry this round
+
+
+def strings(value):
+    """Every string in ``value`` (dict keys and values, lists, FLModel fields), recursively; tensors skipped."""
+    if isinstance(value, FLModel):
+        for part in (value.params, value.metrics, value.meta):
+            yield from strings(part or {})
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield str(key)
+            yield from strings(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from strings(item)
+    elif isinstance(value, str):
+        yield value
+
+
+def data_file_names(root) -> set[str]:
+    """Names and stems of every file of the data set (case ids come from them)."""
+    names = set()
+    for path in root.rglob("*"):
+        if path.is_file():
+            names.update({path.name, path.name.split(".")[0]})
+    return names
+
+
+ABSOLUTE = re.compile(r"(^|[\s'\"(=:,\[])(/|~/|[A-Za-z]:\\)[^\s]")
+
+
+def leaks(replies, root, tmp_path) -> list[str]:
+    names = data_file_names(root)
+    found = []
+    for reply in replies:
+        assert not (reply.meta or {}).get("pflseg_error"), reply.meta["pflseg_error"]
+        for text in strings(reply):
+            hits = [n for n in names if n in text]
+            if hits or ABSOLUTE.search(text) or str(tmp_path) in text or str(root) in text:
+                found.append(f"{text!r} (data files {hits})" if hits else repr(text))
+    return found
+
+
+def selector_state(fed, classes):
+    return prefixed("select", build_selector(selector_cfg(fed.cfg, classes)).state_dict())
+
+
+def models(fed, prefixes):
+    out = {}
+    for prefix in prefixes:
+        out.update(prefixed(prefix, fed.initial))
+    return out
+
+
+class Runner:
+    """Answers tasks the way the client script does, one site object per site name."""
+
+    def __init__(self, fed):
+        self.fed, self.sites, self.replies = fed, {}, []
+
+    def __call__(self, task, msg, site="site-1"):
+        out, self.sites[site] = answer(site, task, msg, self.sites.get(site))
+        self.replies.append(out)
+        return out
+
+
+def fedavg_like(method, **over):
+    def scenario(federation):
+        fed = federation(method, **over)
+        run = Runner(fed)
+        run("train", fed.message(0))
+        run("validate", fed.message(FINAL))
+        run("test", fed.message(FINAL))
+        return fed, run.replies
+    return scenario
+
+
+def local(federation):
+    fed = federation("local")
+    run = Runner(fed)
+    run("train", fed.message(0))
+    run("train", fed.message(1, {}))
+    run("validate", fed.message(FINAL, {}))
+    run("test", fed.message(FINAL, {}))
+    return fed, run.replies
+
+
+def iopfl(federation):
+    fed = federation("iopfl")
+    run = Runner(fed)
+    run("train", fed.message(0))
+    run("validate", fed.message(FINAL))
+    run("test", fed.message(FINAL))
+    run("submit_model", fed.message(FINAL, {}))
+    return fed, run.replies
+
+
+def fedsm(federation):
+    fed = federation("fedsm")
+    run = Runner(fed)
+    run("train", fed.message(0, {**models(fed, ["global", "person"]), **selector_state(fed, 2)}, selector_label=0))
+    run("validate", fed.message(FINAL, models(fed, ["global", "person"])))
+    run("test", fed.message(FINAL))
+    return fed, run.replies
+
+
+def lcfed(federation):
+    fed = federation("lcfed", **LC)
+    run = Runner(fed)
+    run("train", fed.message(0))
+    run("validate", fed.message(FINAL))
+    run("test", fed.message(FINAL, {}))
+    return fed, run.replies
+
+
+def ft(federation):
+    fed = federation("ft", ft={"epochs": 1})
+    run = Runner(fed)
+    run("train", fed.message(0))
+    run("finetune", fed.message(FINAL))
+    run("test", fed.message(FINAL))
+    return fed, run.replies
+
+
+def fedsm_infer(federation):
+    fed = federation("fedsm_infer")
+    run = Runner(fed)
+    params = {**models(fed, ["global"] + [f"person.{s}" for s in SITES]), **selector_state(fed, len(SITES))}
+    for site in ("site-1", "site-3"):  # an inside site and an outside one
+        run("infer", fed.message(0, params, inside_sites=SITES, sites=SITES + ["site-3"]), site)
+    return fed, run.replies
+
+
+def iopfl_route(federation):
+    fed = federation("iopfl_route", iopfl={"epochs": 1})
+    run = Runner(fed)
+    params = models(fed, ["global"] + [f"person.{s}" for s in SITES])
+    run("route", fed.message(0, params, inside_sites=SITES, sites=SITES + ["site-3"]), "site-3")
+    return fed, run.replies
+
+
+SCENARIOS = {"fedavg": fedavg_like("fedavg"), "fedbn": fedavg_like("fedbn"), "grace": fedavg_like("grace"), "local": local,
+             "iopfl": iopfl, "fedsm": fedsm, "lcfed": lcfed, "ft": ft, "fedsm_infer": fedsm_infer, "iopfl_route": iopfl_route}
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_nothing_a_site_sends_names_a_data_file_or_an_absolute_path(scenario, federation, tiny_root, tmp_path):
+    fed, replies = SCENARIOS[scenario](federation)
+    assert not fed.cfg["privacy"]["per_case"] and not fed.cfg["privacy"]["round_test"]  # the defaults
+    assert not leaks(replies, tiny_root, tmp_path), leaks(replies, tiny_root, tmp_path)
+    assert not any("per_case" in s for r in replies for s in strings(r))
+    assert any(isinstance(v, float) for r in replies for v in (r.metrics or {}).values())  # metrics do leave
+    if scenario in ("iopfl_route", "fedsm_infer"):  # predictions: written at the site, named relative to its state
+        key = scenario.split("_")[1]
+        assert all(r.metrics[key]["predictions"] == f"written at the site: {scenario}/predictions" for r in replies)
+        assert list((tmp_path / "state" / "site-3" / scenario / "predictions").iterdir())
+
+
+def test_iopfl_sends_test_dice_only_at_the_end_unless_asked(federation):
+    fed = federation("iopfl")
+    out, site = answer("site-1", "train", fed.message(0), None)
+    assert "val_dice_person" in out.metrics and not any(k.startswith("test") for k in out.metrics)
+    fed = federation("iopfl", privacy={"round_test": True})
+    out, _ = answer("site-2", "train", fed.message(0), None)
+    assert 0 <= out.metrics["test_dice_global"] <= 1 and 0 <= out.metrics["test_dice_person"] <= 1
+
+
+def test_per_case_is_an_opt_in_with_pseudonyms_under_a_site_salt(federation, tiny_root, tmp_path):
+    fed = federation("fedavg", privacy={"per_case": True})
+    run = Runner(fed)
+    run("train", fed.message(0))
+    run("train", fed.message(0), "site-2")
+    test = run("test", fed.message(FINAL)).metrics["test"]
+    per_case = test["site"]["per_case"]
+    assert len(per_case) == test["site"]["n_cases"] >= 1
+    assert all(re.fullmatch(r"case-[0-9a-f]{16}", k) for k in per_case)
+    assert not leaks(run.replies, tiny_root, tmp_path)
+    salt = tmp_path / "state" / "site-1" / "privacy_salt"
+    assert salt.is_file() and oct(salt.stat().st_mode & 0o777) == "0o600"
+    again = Runner(fed)("test", fed.message(FINAL)).metrics["test"]["site"]["per_case"]
+    assert again == per_case  # the same pseudonyms from the same salt
+    other = Runner(fed)("test", fed.message(FINAL), "site-2").metrics["test"]["site"]["per_case"]
+    assert not set(other) & set(per_case)  # another site, another salt: the same case ids, other names
+
+
+def test_an_error_reply_holds_no_absolute_path(federation, tmp_path):
+    fed = federation("local")
+    out, _ = answer("site-1", "train", fed.message(3, {}), None)  # no state before round 3
+    error = out.meta["pflseg_error"]
+    assert "no state before round 3 in <state>/local" in error and str(tmp_path) not in error
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("state file /srv/pflseg/state/site-1/fedbn/round_0001.pt is corrupt", "state file .../round_0001.pt is corrupt"),
+    ("image '/data/hospital/Case07.nii.gz' unreadable", "image '.../Case07.nii.gz' unreadable"),
+    ("data root C:\\data\\site (from env)", "data root .../site (from env)"),
+    ("~/data/x.png missing", ".../x.png missing"),
+    ("relative imagesTr/case1.nii.gz and 3/4 and a / b stay", "relative imagesTr/case1.nii.gz and 3/4 and a / b stay"),
+])
+def test_public_text_keeps_the_last_component_of_absolute_paths(text, expected):
+    assert public_text(text) == expected
+
+
+def test_public_text_names_state_paths_relative_to_the_state_root(tmp_path):
+    text = f"could not write round_0001.pt into state folder {tmp_path / 'site-1' / 'fedbn'}: No space left"
+    assert public_text(text, tmp_path / "site-1") == "could not write round_0001.pt into state folder <state>/fedbn: No space left"
