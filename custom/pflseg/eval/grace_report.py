@@ -29,6 +29,7 @@ import torch
 from pflseg.data import load_dataset_info, make_synthetic, site_dataset
 from pflseg.flare.jobs import export_job
 from pflseg.deploy.simulator import run_simulator
+from pflseg.eval.progress import RunProgress
 from pflseg.flare.state import RoundStore, unprefixed
 from pflseg.nets import build_net
 from pflseg.train import evaluate
@@ -64,14 +65,15 @@ def measure(workspace: str | Path, n_sites: int = 4, seeds=(0, 1), rounds: int =
     if not (root / "dataset.json").is_file():
         make_synthetic(root, n_sites=n_sites)
     sites = load_dataset_info(root)["sites"]
-    runs = {}
+    runs, steps = {}, RunProgress(len(seeds) * len(sites) * len(VARIANTS), progress)
     for seed in seeds:
         for held_out in sites:
             inside = [s for s in sites if s != held_out]
             for variant in VARIANTS:
-                progress(f"seed {seed}, held out {held_out}: {variant}")
+                steps.start(f"seed {seed}, held out {held_out}: {variant}")
                 runs[f"{seed}/{held_out}/{variant}"] = run_one(
                     ws / f"seed{seed}" / held_out / variant, root, inside, held_out, variant, seed, rounds, progress)
+                steps.done()
     report = {"sites": sites, "seeds": list(seeds), "rounds": rounds, "runs": runs}
     (ws / "grace_loso.json").write_text(json.dumps(report, indent=1))
     (ws / "grace_loso.md").write_text(to_markdown(report))

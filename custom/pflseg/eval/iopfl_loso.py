@@ -1,10 +1,9 @@
 """IOP-FL leave-one-site-out: ``pflseg iopfl loso``.
 
 For every seed and every held-out site h of a data root: the ``iopfl`` job trains in the FLARE simulator
-on all other sites, then the ``iopfl_route`` job routes at h with the trained bundle (h never trained).
-The simulator names its sites site-1..site-N, so each fold sees the data through a view folder
-(``<workspace>/folds/<h>/data``: a dataset.json and links to the original site folders) in which the
-inside sites come first and h is last; results are mapped back to the original site names.
+on all other sites, then the ``iopfl_route`` job routes at h with the trained bundle (h never trained:
+it is the only site of the routing run). Sites run under their own names (a name FLARE does not accept,
+e.g. ``Hospital A``, through a view, ``pflseg.deploy.data_sites.site_view``); tables use the data's names.
 
 Writes ``<workspace>/iopfl_loso.{json,csv,md}``:
     inside table   per site: test Dice of the best global model and of the site's best P_k (mean, std over
@@ -20,7 +19,8 @@ import json
 import statistics
 from pathlib import Path
 
-from pflseg.data import load_dataset_info, make_synthetic
+from pflseg.data import make_synthetic
+from pflseg.deploy.data_sites import choose_sites, site_view
 from pflseg.infer.routing import METHODS
 from pflseg.flare.jobs import export_job
 from pflseg.deploy.simulator import run_simulator
@@ -29,55 +29,47 @@ LABELS = {"global": "FedAvg", "average": "Average", "ensemble": "Ensemble", "ten
           "routing_global": "Routing (global)", "routing": "IOP-FL routing"}
 
 
-def fold_view(root: Path, held_out: str, out: Path) -> dict[str, str]:
-    """Make ``out`` a data root whose sites site-1..site-N are the sites of ``root`` with ``held_out``
-    last; returns {fold site name: original site name}."""
-    info = json.loads((root / "dataset.json").read_text())
-    order = [s for s in info["sites"] if s != held_out] + [held_out]
-    mapping = {f"site-{i + 1}": s for i, s in enumerate(order)}
-    out.mkdir(parents=True, exist_ok=True)
-    for name, original in mapping.items():
-        link = out / name
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to((root / original).resolve(), target_is_directory=True)
-    (out / "dataset.json").write_text(json.dumps({**info, "sites": list(mapping)}, indent=1))
-    return mapping
-
-
 def _stats(values: list[float]) -> dict:
     return {"mean": statistics.mean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0, "n": len(values)}
 
 
 def run_loso(workspace: str | Path, data: str | Path | None = None, synth_sites: int = 5, seeds=(0, 1),
              overrides: dict | None = None, held_out: list[str] | None = None, threads: int | None = None,
-             progress=print) -> dict:
+             progress=print, sites: list[str] | None = None) -> dict:
+    """Run the protocol; ``sites``: the data root's sites taking part (default: all), ``held_out``: the
+    folds (default: every site taking part)."""
+    from pflseg.eval.progress import RunProgress
+
     ws = Path(workspace).resolve()
     root = Path(data).resolve() if data else make_synthetic(ws / "data", n_sites=synth_sites, seed=0)
-    sites = load_dataset_info(root)["sites"]
+    sites = sites or choose_sites(root)
     if len(sites) < 3:
         raise ValueError(f"{root}: leave-one-site-out needs at least 3 sites (2 to train, 1 held out), got {sites}")
     folds = held_out or sites
     unknown = [h for h in folds if h not in sites]
     if unknown:
         raise ValueError(f"--holdout {unknown}: not sites of {root} ({sites})")
+    view, mapping = site_view(root, sites, ws / "data_view")
+    flare = {site: name for name, site in mapping.items()}
     over = dict(overrides or {})
-    runs = []
+    runs, steps = [], RunProgress(2 * len(seeds) * len(folds), progress)
     for seed in seeds:
         for h in folds:
             fold_ws = ws / f"seed{seed}" / h
-            mapping = fold_view(root, h, ws / "folds" / h / "data")
-            n = len(mapping)
-            train_over = {**over, "seed": seed, "min_clients": n - 1}
+            inside = [flare[s] for s in sites if s != h]
+            train_over = {**over, "seed": seed, "min_clients": len(inside)}
             job = export_job("iopfl", fold_ws / "jobs", overrides=train_over)
-            trained = run_simulator(job, fold_ws / "train", n_sites=n - 1, threads=threads,
-                                    data=ws / "folds" / h / "data", progress=progress)
+            steps.start(f"iopfl seed {seed} without {h}")
+            trained = run_simulator(job, fold_ws / "train", threads=threads, data=view, progress=progress, clients=inside)
+            steps.done()
             bundle = fold_ws / "train" / "state" / "server" / "iopfl"
-            iopfl = {**over.get("iopfl", {}), "bundle": str(bundle), "targets": [f"site-{n}"]}
+            iopfl = {**over.get("iopfl", {}), "bundle": str(bundle), "targets": [flare[h]]}
             job = export_job("iopfl_route", fold_ws / "jobs", overrides={**train_over, "min_clients": 1, "iopfl": iopfl})
-            routed = run_simulator(job, fold_ws / "route", n_sites=n, threads=threads,
-                                   data=ws / "folds" / h / "data", progress=progress)
-            out = routed["route"][f"site-{n}"]
+            steps.start(f"iopfl_route seed {seed} at {h}")
+            routed = run_simulator(job, fold_ws / "route", threads=threads, data=view, progress=progress,
+                                   clients=[flare[h]])
+            steps.done()
+            out = routed["route"][flare[h]]
             runs.append({
                 "seed": seed, "held_out": h,
                 "inside": {mapping[s]: {"global": t["global"]["dice"], "person": t["site"]["dice"],

@@ -26,6 +26,7 @@ from pathlib import Path
 from pflseg.data import load_dataset_info, make_synthetic
 from pflseg.flare.jobs import export_job
 from pflseg.deploy.simulator import run_simulator
+from pflseg.eval.progress import RunProgress
 
 BACKBONE = {"name": "lcfed", "channels": [16, 32, 64, 128, 256], "strides": [2, 2, 2, 2]}
 #: row -> (job, which model of results.json "test": global or the site's own)
@@ -54,10 +55,13 @@ def measure(workspace: str | Path, n_sites: int = 4, seeds=(0, 1), rounds: int =
         make_synthetic(root, task=task, n_sites=n_sites)
     sites = load_dataset_info(root)["sites"]
     runs, exchange = {}, []
+    jobs = list(dict.fromkeys(job for job, _ in ROWS.values()))
+    steps = RunProgress(len(seeds) * len(jobs), progress)
     for seed in seeds:
-        for job in dict.fromkeys(job for job, _ in ROWS.values()):
-            progress(f"seed {seed}: {job}")
+        for job in jobs:
+            steps.start(f"seed {seed}: {job}")
             res = run_job(ws / f"seed{seed}" / job, root, job, seed, rounds, task, progress)
+            steps.done()
             for row, (row_job, which) in ROWS.items():
                 if row_job == job:
                     runs[f"{seed}/{row}"] = {s: {m: res["test"][s][which].get(m) for m in METRICS} for s in sites}
