@@ -34,7 +34,14 @@ def _jobs(args) -> int:
     from pflseg.config import parse_set
 
     sites = args.sites.split(",") if args.sites else None
-    overrides = parse_set(args.set) or None
+    overrides = parse_set(args.set)
+    if args.data:  # channels, classes and training size of this data root unless --set says otherwise
+        from pflseg.deploy.data_sites import data_overrides
+
+        overrides = data_overrides(Path(args.data).resolve(), overrides, args.size)
+    elif args.size:
+        overrides.setdefault("data", {}).setdefault("size", args.size)
+    overrides = overrides or None
     for name in args.names or job_names():
         print(export_job(name, args.out, overrides=overrides, mode=args.mode, gpu_mem_gib=args.gpu_mem, sites=sites))
     return 0
@@ -43,16 +50,30 @@ def _jobs(args) -> int:
 def _deploy(args) -> int:
     from pflseg.deploy.local import LocalFederation
 
-    fed = LocalFederation(args.workspace, **({"project_yml": args.project} if getattr(args, "project", None) else {}))
+    project = {"project_yml": args.project} if getattr(args, "project", None) else {}
+    site_cfg = {"device": getattr(args, "device", "auto")}
+    if args.deploy_cmd == "local" and args.data:  # the data root's own sites become the provisioned sites
+        import yaml
+
+        from pflseg.deploy.data_sites import project_with_sites
+        from pflseg.deploy.provision import REPO_PROJECT
+
+        ws = Path(args.workspace).resolve()
+        data, mapping = _data_sites(args, ws)
+        site_cfg["data"] = str(data)
+        source = yaml.safe_load(Path(project.get("project_yml", REPO_PROJECT)).read_text())
+        ws.mkdir(parents=True, exist_ok=True)
+        (ws / "project.data.yml").write_text(yaml.safe_dump(project_with_sites(source, list(mapping)), sort_keys=False))
+        project = {"project_yml": ws / "project.data.yml"}
+    fed = LocalFederation(args.workspace, **project)
     if args.deploy_cmd == "local":
-        site_cfg = {"device": args.device}
-        if args.data:
-            site_cfg["data"] = str(Path(args.data).resolve())
         fed.provision(site_cfg)
         fed.start()
         fed.wait_connected(timeout=args.timeout)
         kit = fed.admin_kit()
         print(f"federation running ({fed.rss_bytes() / 2**30:.2f} GiB resident); admin kit: {kit}")
+        if args.data:
+            print(f"  jobs for this data: pflseg jobs export fedavg --out runs/jobs --data {Path(args.data).resolve()}")
         print(f"  submit:  pflseg submit jobs/fedavg --kit {kit}")
         print(f"  console: {kit}/startup/fl_admin.sh")
         print(f"  stop:    pflseg deploy stop --workspace {args.workspace}")
@@ -77,11 +98,16 @@ def _poc(args) -> int:
     from pflseg.deploy.submit import metrics_table, submit
     from pflseg.flare.jobs import export_job
 
-    overrides = parse_set(args.set)
+    ws = Path(args.workspace).resolve()
+    overrides, data, names = _data_overrides(args, parse_set(args.set)), None, _names(args.site_names)
+    if args.data:
+        data, mapping = _data_sites(args, ws)
+        names = list(mapping)
+    n = len(names) if names else args.sites or 2
     overrides.setdefault("rounds", args.rounds)
-    overrides.setdefault("min_clients", min(args.sites, 2))
-    fed = PocFederation(args.workspace, n_sites=args.sites)
-    fed.provision({"data": str(Path(args.data).resolve())} if args.data else None)
+    overrides.setdefault("min_clients", min(n, 2))
+    fed = PocFederation(ws, n_sites=n, clients=names)
+    fed.provision({"data": str(data)} if data else None)
     try:
         fed.start()
         fed.wait_connected()
@@ -102,35 +128,65 @@ def _submit(args) -> int:
     return 0
 
 
+def _names(text: str | None) -> list[str] | None:
+    return [n.strip() for n in text.split(",") if n.strip()] if text else None
+
+
+def _data_sites(args, workspace: Path) -> tuple[Path, dict[str, str]]:
+    """``--data`` with ``--sites`` / ``--site-names``: (data root to run on, {FLARE name: data site})."""
+    from pflseg.deploy.data_sites import choose_sites, renamed, site_view
+
+    root = Path(args.data).resolve()
+    data, mapping = site_view(root, choose_sites(root, args.sites, _names(args.site_names)), workspace / "data_view")
+    print(f"sites of {root}: {', '.join(mapping)}")
+    if renamed(mapping):
+        print(renamed(mapping))
+    return data, mapping
+
+
+def _data_overrides(args, overrides: dict) -> dict:
+    """The user's --set plus channels, classes and size from --data's dataset.json (and --size)."""
+    if args.data:
+        from pflseg.deploy.data_sites import data_overrides
+
+        return data_overrides(Path(args.data).resolve(), overrides, args.size)
+    if args.size:
+        overrides.setdefault("data", {}).setdefault("size", args.size)
+    return overrides
+
+
 def _run(args) -> int:
     from pflseg.config import parse_set
-    from pflseg.eval.tables import dice_table, timing_summary
-    from pflseg.flare.jobs import export_job
     from pflseg.deploy.simulator import run_simulator
+    from pflseg.eval.plots import write_results
+    from pflseg.eval.tables import dice_table, infer_table, route_table, timing_summary
+    from pflseg.flare.jobs import export_job
 
-    overrides = parse_set(args.set)
+    workspace = Path(args.workspace or f"runs/{args.job}")
+    overrides = _data_overrides(args, parse_set(args.set))
     if args.rounds:
         overrides["rounds"] = args.rounds
     if args.resume:
         overrides["resume"] = True
-    overrides.setdefault("min_clients", min(args.sites, 2))
-    workspace = Path(args.workspace or f"runs/{args.job}")
+    data, clients = None, _names(args.site_names)
+    if args.data:
+        data, mapping = _data_sites(args, workspace.resolve())
+        clients = list(mapping)
+    n = len(clients) if clients else args.sites or 3
+    overrides.setdefault("min_clients", min(n, 2))
     job_dir = export_job(args.job, workspace / "job", overrides=overrides)
-    results = run_simulator(job_dir, workspace, n_sites=args.sites, threads=args.threads, data=args.data)
+    results = run_simulator(job_dir, workspace, n_sites=n, threads=args.threads, data=data, clients=clients)
     if "route" in results:  # IOP-FL routing job: a table of the outside sites
-        from pflseg.eval.tables import route_table
-
         print(route_table(results))
-        return 0
-    if "infer" in results:  # FedSM inference job
-        from pflseg.eval.tables import infer_table
-
+    elif "infer" in results:  # FedSM inference job
         print(infer_table(results))
-        return 0
-    print(dice_table({args.job: results}))
-    print(timing_summary(results))
+    else:
+        print(dice_table({args.job: results}))
+        print(timing_summary(results))
     if results["missing"]:
         print(f"sites left out: {json.dumps(results['missing'])}")
+    for line in write_results(results, workspace):
+        print(line)
     return 0
 
 
@@ -188,13 +244,26 @@ def _bench(args) -> int:
     from pflseg.config import parse_set
     from pflseg.eval.bench import Bench, to_markdown
 
+    sites = None
+    if args.data and (args.sites or args.site_names):
+        from pflseg.deploy.data_sites import choose_sites
+
+        sites = choose_sites(Path(args.data).resolve(), args.sites, _names(args.site_names))
     bench = Bench(args.workspace, data=args.data, synth_sites=args.synth_sites, methods=args.methods, seeds=args.seeds,
-                  rounds=args.rounds, holdout=args.holdout, overrides=parse_set(args.set), outside=not args.no_outside,
-                  threads=args.threads)
+                  rounds=args.rounds, holdout=args.holdout, overrides=_data_overrides(args, parse_set(args.set)),
+                  outside=not args.no_outside, threads=args.threads, sites=sites)
     report = bench.execute()
     print(to_markdown(report))
     print(f"written: {bench.ws}/bench.json, bench_inside.csv, bench_outside.csv, bench.md (+ PNG plots with matplotlib)")
     return 0
+
+
+def _site_args(parser, default: str) -> None:
+    """--sites, --site-names and --size of the commands that run jobs on a data root."""
+    parser.add_argument("--sites", type=int, help=f"number of sites: the first N of --data's sites (default: {default})")
+    parser.add_argument("--site-names", metavar="A,B,...", help="these sites of --data (dataset.json names)")
+    parser.add_argument("--size", type=int, help="training image size data.size (default: --data's train_size "
+                                                 "when recorded, else the job's)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -235,22 +304,28 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--gpu-mem", type=float, metavar="GIB", help="require one GPU per site with this many GiB (meta.json resource_spec)")
     e.add_argument("--sites", help="comma-separated site names for a per-site resource_spec (with --gpu-mem)")
     e.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. rounds=3")
+    e.add_argument("--data", help="data root whose dataset.json sets net.in_channels, net.out_channels and "
+                                  "data.size (train_size) unless --set says otherwise")
+    e.add_argument("--size", type=int, help="data.size (default: --data's train_size when recorded)")
 
     r = sub.add_parser("run", help="run a job in the FLARE simulator")
     r.add_argument("job")
-    r.add_argument("--sites", type=int, default=3)
+    _site_args(r, "all sites of --data, else 3 synthetic sites")
     r.add_argument("--rounds", type=int)
     r.add_argument("--threads", type=int)
     r.add_argument("--workspace")
-    r.add_argument("--data", help="data root (default: synthetic data made at each site)")
+    r.add_argument("--data", help="data root (default: synthetic data made at each site); its sites run under "
+                                  "their own names, its channels, classes and train_size set the network and data.size "
+                                  "unless --set says otherwise")
     r.add_argument("--resume", action="store_true", help="continue from the last completed round")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. train.lr=0.0005")
     r.set_defaults(func=_run)
 
-    m = sub.add_parser("demo", help="synthetic data + baselines in the simulator + per-site Dice table")
+    m = sub.add_parser("demo", help="synthetic data: FedAvg and the personalized methods on inside sites, IOP-FL "
+                                    "routing at an outside site; tables and pictures")
     m.add_argument("--workspace", default="demo")
-    m.add_argument("--sites", type=int, default=3)
-    m.add_argument("--rounds", type=int, default=25)
+    m.add_argument("--sites", type=int, default=3, help="inside sites (one more, outside, never trains)")
+    m.add_argument("--rounds", type=int, default=12)
     m.add_argument("--threads", type=int)
     m.set_defaults(func=_demo)
 
@@ -265,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
         parser.add_argument("--seeds", type=int, nargs="+", default=seeds)
         parser.add_argument("--rounds", type=int, default=rounds)
         parser.add_argument("--threads", type=int)
+        _site_args(parser, "all sites of --data")
         parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every job")
 
     bp = sub.add_parser("bench", help="every method on the same data and budget: inside and leave-one-site-out tables")
@@ -300,7 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
     dsub = dep.add_subparsers(dest="deploy_cmd", required=True)
     dl = dsub.add_parser("local", help="provision provisioning/project.yml on loopback, start server + sites, wait")
     dl.add_argument("--project", help="project.yml (default: provisioning/project.yml)")
-    dl.add_argument("--data", help="data root every site uses (default: synthetic data made at each site)")
+    dl.add_argument("--data", help="data root every site uses (default: synthetic data made at each site); its "
+                                   "sites replace project.yml's sites")
+    dl.add_argument("--sites", type=int, help="the first N sites of --data (default: all)")
+    dl.add_argument("--site-names", metavar="A,B,...", help="these sites of --data")
     dl.add_argument("--device", default="auto")
     dl.add_argument("--timeout", type=float, default=180.0)
     for name, text in (("status", "connected sites and resident memory"), ("stop", "shut down through the FLARE API")):
@@ -318,9 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     pc = sub.add_parser("poc", help="FLARE POC on loopback: prepare, start, submit one job, print per-site metrics, stop")
     pc.add_argument("--job", default="fedavg")
-    pc.add_argument("--sites", type=int, default=2)
+    _site_args(pc, "all sites of --data, else 2")
     pc.add_argument("--rounds", type=int, default=2)
-    pc.add_argument("--data", help="data root (default: synthetic data made at each site)")
+    pc.add_argument("--data", help="data root (default: synthetic data made at each site); its sites are the POC sites")
     pc.add_argument("--workspace", default="runs/poc")
     pc.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     pc.set_defaults(func=_poc)

@@ -18,12 +18,13 @@ from pflseg.deploy.provision import free_port, loopback_env
 
 
 class PocFederation(LocalFederation):
-    """A FLARE POC workspace (``nvflare poc prepare -n N``) run as a LocalFederation."""
+    """A FLARE POC workspace (``nvflare poc prepare -n N``, or ``-c NAME ...`` with ``clients``) run as a
+    LocalFederation."""
 
     admin = "admin@nvidia.com"
 
-    def __init__(self, workspace: str | Path, n_sites: int = 2, progress=print):
-        self.n_sites = n_sites
+    def __init__(self, workspace: str | Path, n_sites: int = 2, progress=print, clients: list[str] | None = None):
+        self.n_sites, self.clients = n_sites, clients
         super().__init__(workspace, progress=progress)
 
     def _kits(self) -> Path:
@@ -32,7 +33,8 @@ class PocFederation(LocalFederation):
     def _provision(self) -> None:
         (self.workspace / "home").mkdir(parents=True, exist_ok=True)
         env = {**loopback_env(self.workspace), "NVFLARE_POC_WORKSPACE": str(self.workspace / "poc")}
-        cmd = ["nvflare", "poc", "prepare", "-n", str(self.n_sites), "--force"]
+        sites = ["-c", *self.clients] if self.clients else ["-n", str(self.n_sites)]
+        cmd = ["nvflare", "poc", "prepare", *sites, "--force"]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0 or not self.kits.is_dir():
             raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): {proc.stdout[-1500:]}{proc.stderr[-1500:]}")

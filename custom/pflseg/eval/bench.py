@@ -29,6 +29,7 @@ from pathlib import Path
 from torch.utils.data import ConcatDataset
 
 from pflseg.data import DataError, load_dataset_info, make_synthetic, site_dataset
+from pflseg.deploy.data_sites import site_view
 from pflseg.deploy.simulator import run_simulator
 from pflseg.flare.jobs import export_job
 from pflseg.flare.state import RoundStore, unprefixed
@@ -74,35 +75,19 @@ def _stats(values: list[float]) -> dict:
     return {"mean": statistics.mean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0, "n": len(values)}
 
 
-def site_view(root: Path, order: list[str], out: Path) -> dict[str, str]:
-    """Make ``out`` a data root whose sites site-1..site-N are the sites of ``root`` in ``order`` (then the
-    others), as links; returns {view site name: original site name}."""
-    info = json.loads((root / "dataset.json").read_text())
-    order = list(order) + [s for s in info["sites"] if s not in order]
-    mapping = {f"site-{i + 1}": s for i, s in enumerate(order)}
-    out.mkdir(parents=True, exist_ok=True)
-    for name, original in mapping.items():
-        link = out / name
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to((root / original).resolve(), target_is_directory=True)
-    (out / "dataset.json").write_text(json.dumps({**info, "sites": list(mapping)}, indent=1))
-    return mapping
-
-
 class Bench:
     """The runs, resumable, and the tables. ``methods``: keys of INSIDE; the outside table has the columns
     of the selected methods found in OUTSIDE."""
 
     def __init__(self, workspace, data=None, synth_sites: int = 6, methods=DEFAULT_METHODS, seeds=(0,), rounds: int = 20,
                  holdout: list[str] | None = None, overrides: dict | None = None, outside: bool = True,
-                 threads: int | None = None, progress=print):
+                 threads: int | None = None, progress=print, sites: list[str] | None = None):
         unknown = [m for m in methods if m not in INSIDE]
         if unknown:
             raise ValueError(f"--methods: unknown {unknown}; choose from {', '.join(INSIDE)}")
         self.ws = Path(workspace).resolve()
         self.root = Path(data).resolve() if data else make_synthetic(self.ws / "data", n_sites=synth_sites, seed=0)
-        self.sites = load_dataset_info(self.root)["sites"]
+        self.sites = list(sites) if sites else load_dataset_info(self.root)["sites"]
         if holdout == ["all"]:
             holdout = list(self.sites)
         self.holdout = list(holdout) if holdout else ([self.sites[-1]] if data is None else list(self.sites))
@@ -148,7 +133,7 @@ class Bench:
         return json.loads((self.run_dir(seed, fold, job) / "state" / "server" / job / "results.json").read_text())
 
     def names(self, seed: int, fold: str, job: str) -> dict[str, str]:
-        """Simulator site name -> the data root's site name, for one run."""
+        """FLARE site name -> the data root's site name, for one run."""
         return json.loads((self.run_dir(seed, fold, job) / "sites.json").read_text())
 
     def run(self, seed: int, fold: str, job: str) -> dict:
@@ -166,10 +151,11 @@ class Bench:
             over[key] = {**over.get(key, {}), "bundle": bundle, **({"targets": []} if key == "iopfl" else {})}
         if RoundStore(ws / "state" / "server" / job).latest() is not None:
             over["resume"] = True
-        mapping = site_view(self.root, clients, ws / "data")
+        data, mapping = site_view(self.root, clients, ws / "data")
         (ws / "sites.json").write_text(json.dumps(mapping, indent=1))
         job_dir = export_job(job, ws / "job", overrides=over)
-        return run_simulator(job_dir, ws, n_sites=len(clients), threads=self.threads, data=ws / "data", progress=lambda m: None)
+        return run_simulator(job_dir, ws, n_sites=len(clients), threads=self.threads, data=data, progress=lambda m: None,
+                             clients=list(mapping))
 
     def execute(self) -> dict:
         plan = self.plan()

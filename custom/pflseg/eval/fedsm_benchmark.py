@@ -22,6 +22,7 @@ from pflseg.data import make_synthetic
 from pflseg.flare.controllers.fedsm import moment_reference
 from pflseg.flare.jobs import export_job
 from pflseg.deploy.simulator import run_simulator
+from pflseg.eval.progress import RunProgress
 from pflseg.nets import build_net
 from pflseg.nets.selector import build_selector, selector_cfg
 
@@ -53,15 +54,20 @@ def run(workspace: str | Path, rounds: int = 20, seeds=(0, 1), progress=print) -
     ws = Path(workspace).resolve()
     data = make_synthetic(ws / "data4", n_sites=4, seed=0)
     report = {"seeds": {}, "bytes": {s: payload_bytes(s, 3) for s in ("compact", "vgg11")}}
+    steps = RunProgress(3 * len(seeds) + 1, progress)
     for seed in seeds:
         over = {"rounds": rounds, "min_clients": 3, "seed": seed}
         out = {}
         for name in ("fedavg", "fedsm"):
             job = export_job(name, ws / f"seed{seed}" / "jobs", overrides=over)
+            steps.start(f"seed {seed}: {name}")
             out[name] = run_simulator(job, ws / f"seed{seed}" / name, n_sites=3, data=data, progress=progress)
+            steps.done()
         bundle = ws / f"seed{seed}" / "fedsm" / "state" / "server" / "fedsm"
         job = export_job("fedsm_infer", ws / f"seed{seed}" / "jobs", overrides={"fedsm": {"bundle": str(bundle)}, "seed": seed})
+        steps.start(f"seed {seed}: fedsm_infer")
         out["infer"] = run_simulator(job, ws / f"seed{seed}" / "infer", n_sites=4, data=data, progress=progress)
+        steps.done()
         report["seeds"][seed] = {
             "fedavg_global": {s: m["global"]["dice"] for s, m in out["fedavg"]["test"].items()},
             "fedsm_personalized": {s: m["site"]["dice"] for s, m in out["fedsm"]["test"].items()},
@@ -73,6 +79,7 @@ def run(workspace: str | Path, rounds: int = 20, seeds=(0, 1), progress=print) -
         }
     six = make_synthetic(ws / "data6", n_sites=6, seed=0)
     job = export_job("fedsm", ws / "six" / "jobs", overrides={"rounds": 5, "min_clients": 6})
+    steps.start("fedsm on 6 sites (timing)")
     report["timing_6_sites"] = _timing(run_simulator(job, ws / "six" / "run", n_sites=6, data=six, progress=progress))
     (ws / "fedsm_benchmark.json").write_text(json.dumps(report, indent=1))
     return report

@@ -22,6 +22,7 @@ from pflseg.config import load_job_config
 from pflseg.data import load_dataset_info, make_synthetic, site_dataset
 from pflseg.flare.jobs import export_job
 from pflseg.deploy.simulator import run_simulator
+from pflseg.eval.progress import RunProgress
 from pflseg.flare.state import RoundStore, load_file, unprefixed
 from pflseg.nets import build_net
 from pflseg.train import evaluate
@@ -43,9 +44,12 @@ def measure(workspace: str | Path, rounds: int = 20, task: str = "prostate", see
     if task == "fundus":
         over["net"] = {"out_channels": 2}
     models = {}
+    steps = RunProgress(2, progress)
     for name in ("local", "fedavg"):
         job = export_job(name, ws / "jobs", overrides=over)
+        steps.start(name)
         run_simulator(job, ws / name, n_sites=len(inside), data=root, progress=progress)
+        steps.done()
     cfg = load_job_config("fedavg", overrides=over)
     for site in inside:
         models[f"local:{site}"] = unprefixed("model", load_file(ws / "local" / "state" / site / "local" / "best.pt"))

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pflseg.flare.methods import METHODS
 from pflseg.infer.routing import METHODS as ROUTE_METHODS
 
-LABELS = {"local": "Local", "fedavg": "FedAvg", "fedprox": "FedProx", "fedbn": "FedBN", "centralized": "Centralized"}
+LABELS = {"local": "Local", "fedavg": "FedAvg", "fedprox": "FedProx", "fedbn": "FedBN", "centralized": "Centralized",
+          "fedsm": "FedSM", "iopfl": "IOP-FL", "lcfed": "LC-Fed", "grace": "GRACE", "fedrep": "FedRep", "ft": "FT"}
 
 
 def site_dice(results: dict) -> dict[str, float]:
@@ -27,6 +28,36 @@ def dice_table(all_results: dict[str, dict]) -> str:
         lines.append(f"| {site} | " + " | ".join(cells) + " |")
     means = [sum(columns[n].values()) / max(len(columns[n]), 1) for n in names]
     lines.append("| mean | " + " | ".join(f"{m:.4f}" for m in means) + " |")
+    return "\n".join(lines)
+
+
+#: columns of the per-site test table (``metric_rows``): one row per site and model the site scored
+METRIC_COLUMNS = ["site", "model", "reported", "dice", "dice_per_class", "iou", "assd", "n_cases", "selected_round"]
+
+
+def metric_rows(results: dict) -> list[dict]:
+    """Per-site test metrics of every model a site scored (``global``, ``site``, ...): one row each;
+    ``reported`` marks the model the Dice tables use for that site."""
+    reported = "site" if METHODS[results["method"]].site.personalized else "global"
+    rows = []
+    for site, models in sorted(results["test"].items()):
+        for model, m in models.items():
+            if not isinstance(m, dict) or "dice" not in m:
+                continue
+            rows.append({
+                "site": site, "model": model, "reported": "yes" if model == reported else "",
+                "dice": round(m["dice"], 4), "dice_per_class": " ".join(f"{d:.4f}" for d in m.get("dice_per_class", [])),
+                "iou": round(m["iou"], 4) if m.get("iou") is not None else "",
+                "assd": round(m["assd"], 3) if m.get("assd") is not None else "",
+                "n_cases": m.get("n_cases", ""), "selected_round": m.get("selected_round", ""),
+            })
+    return rows
+
+
+def metric_table(rows: list[dict]) -> str:
+    """Markdown of ``metric_rows``."""
+    lines = ["| " + " | ".join(METRIC_COLUMNS) + " |", "|" + "---|" * len(METRIC_COLUMNS)]
+    lines += ["| " + " | ".join(str(r[c]) for c in METRIC_COLUMNS) + " |" for r in rows]
     return "\n".join(lines)
 
 

@@ -1,16 +1,6 @@
-from pflseg.data import load_dataset_info, make_synthetic, site_dataset
-from pflseg.eval.bench import Bench, site_view, to_markdown
+from pflseg.data import make_synthetic
+from pflseg.eval.bench import Bench, to_markdown
 from pflseg.eval.tables import route_table
-
-
-def test_site_view_orders_the_sites_as_asked(tmp_path):
-    root = make_synthetic(tmp_path / "root", n_sites=3, cases=3, size=16, depth=2)
-    mapping = site_view(root, ["site-2", "site-3"], tmp_path / "view")
-    assert mapping == {"site-1": "site-2", "site-2": "site-3", "site-3": "site-1"}
-    assert load_dataset_info(tmp_path / "view")["sites"] == ["site-1", "site-2", "site-3"]
-    a = site_dataset(tmp_path / "view", "site-3", "testing", size=16)
-    b = site_dataset(root, "site-1", "testing", size=16)
-    assert len(a) == len(b) and (a[0]["image"] == b[0]["image"]).all()
 
 
 def test_plan_runs_each_job_once_and_training_before_post_training(tmp_path):

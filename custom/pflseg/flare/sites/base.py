@@ -35,6 +35,7 @@ from pflseg.flare.privacy import Pseudonyms, public_metrics
 from pflseg.flare.settings import resolve_data, site_settings
 from pflseg.flare.state import RoundStore, StateError, claim, load_file, prefixed, save_file, state_dir, unprefixed
 from pflseg.nets import build_net
+from pflseg.train.overlays import write_overlays
 from pflseg.train import Hooks, build_loss, build_optimizer, derive_seed, evaluate, make_loader, pick_device, seed_everything, train_epochs
 
 
@@ -257,12 +258,29 @@ class Site:
         return self.reply({}, {"val_dice": self.track(model, msg.current_round)["dice"]})
 
     def test(self, msg: FLModel) -> FLModel:
-        """Test metrics of the server's selected global model (if the method has one) and of the site's best own model."""
-        metrics = {}
+        """Test metrics of the server's selected global model (if the method has one) and of the site's best own
+        model; overlays of the best and worst test cases of the model the tables report for this site (own
+        best if ``personalized``, else the global model) in ``<state>/overlays/`` (they stay at the site)."""
+        metrics, shown = {}, None
         if unprefixed("global", msg.params or {}):
             self.net.load_state_dict({**self.net.state_dict(), **unprefixed("global", msg.params)})
             metrics["global"] = self.evaluate(self.net, "testing", surface=True)
+            if not self.personalized:
+                shown = self.draw_overlays(self.net, metrics["global"])
         best = load_file(self.best_path)
         self.net.load_state_dict(unprefixed("model", best))
         metrics["site"] = {**self.evaluate(self.net, "testing", surface=True), "selected_round": best["round"]}
+        if shown is None:
+            self.draw_overlays(self.net, metrics["site"])
         return self.reply({}, {"test": metrics})
+
+    def draw_overlays(self, model, scored: dict) -> list:
+        """Overlays of ``model`` on the test split, cases ranked by ``scored["per_case"]`` (its test metrics),
+        into ``<state>/overlays/``; returns the paths. A failure is logged, never fatal to the test task."""
+        try:
+            return write_overlays(model, self.data("testing"), self.device, self.store.root / "overlays",
+                                  scored["per_case"], site=self.name)
+        except Exception as exc:  # noqa: BLE001 - the test metrics matter more than the pictures
+            logging.getLogger("pflseg.site").warning("site %s: no overlays written (%s: %s)", self.name,
+                                                     type(exc).__name__, exc)
+            return []

@@ -1,0 +1,122 @@
+"""A data root's own sites as the sites of a run on this machine, and the job settings its dataset.json implies.
+
+``pflseg run``, ``pflseg poc``, ``pflseg deploy local`` and ``pflseg iopfl loso`` with ``--data ROOT`` run
+on the sites that ROOT's dataset.json lists (``--sites N``: the first N, ``--site-names a,b``: those),
+under their own names. FLARE accepts client names of letters, digits, ``-`` and ``_`` only, so a site
+folder such as ``Hospital A`` runs as the FLARE site ``Hospital_A``: the run then reads its data through a
+view (``site_view``: a dataset.json naming the FLARE names and one link per site to the original folder),
+so every site, Centralized's pooling included, finds its data under its FLARE name.
+
+``data_overrides`` fills in ``net.in_channels``, ``net.out_channels`` (from ``in_channels`` and
+``classes``) and ``data.size`` (``--size``, else ``train_size`` when the root records it) wherever the
+user's own ``--set`` did not.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+from pflseg.data import load_dataset_info
+
+_CLIENT = re.compile(r"^[A-Za-z0-9_-]+$")  # FLARE's client name pattern (nvflare.apis.utils.format_check)
+_RESERVED = {"server"}  # the simulator's server folder
+
+
+def flare_names(sites: list[str]) -> dict[str, str]:
+    """``{FLARE client name: data site}`` in the order of ``sites``: a valid name is kept, any other
+    character becomes ``_``, and a clash gets ``-2``, ``-3``, ...
+
+    Example: ``["Hospital A", "Clinic_B"]`` -> ``{"Hospital_A": "Hospital A", "Clinic_B": "Clinic_B"}``.
+    """
+    valid = {s for s in sites if _CLIENT.match(s) and s not in _RESERVED}
+    used, names = set(valid), {}
+    for site in sites:
+        if site in valid:
+            names[site] = site
+            continue
+        base = re.sub(r"[^A-Za-z0-9_-]+", "_", site).strip("_") or "site"
+        base = f"{base}_site" if base in _RESERVED else base
+        name, k = base, 1
+        while name in used:
+            k += 1
+            name = f"{base}-{k}"
+        used.add(name)
+        names[site] = name
+    return {names[s]: s for s in sites}
+
+
+def choose_sites(root: str | Path, n: int | None = None, names: list[str] | None = None) -> list[str]:
+    """The data sites a run uses: ``names`` (data or FLARE names) if given, else the first ``n`` sites of
+    dataset.json, else all of them."""
+    sites = load_dataset_info(root)["sites"]
+    if names:
+        by_flare = flare_names(sites)
+        unknown = [s for s in names if s not in sites and s not in by_flare]
+        if unknown:
+            raise ValueError(f"--site-names {unknown}: not sites of {root} (sites: {sites})")
+        return [s if s in sites else by_flare[s] for s in names]
+    if n is not None:
+        if not 1 <= n <= len(sites):
+            raise ValueError(f"--sites {n}: {root} has {len(sites)} site(s) {sites}; use 1..{len(sites)}")
+        return sites[:n]
+    return list(sites)
+
+
+def site_view(root: str | Path, sites: list[str], out: str | Path) -> tuple[Path, dict[str, str]]:
+    """Where the run reads ``sites`` of ``root`` and under which FLARE names.
+
+    Returns:
+        ``(data root, {FLARE name: data site})``: ``root`` itself when every name is a valid FLARE name,
+        else ``out`` made a view of ``root`` whose site folders are links named by the FLARE names.
+    """
+    root = Path(root).resolve()
+    mapping = flare_names(sites)
+    if all(k == v for k, v in mapping.items()):
+        return root, mapping
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, site in mapping.items():
+        link = out / name
+        if link.is_symlink() or link.is_file():
+            link.unlink()
+        link.symlink_to(root / site, target_is_directory=True)
+    info = json.loads((root / "dataset.json").read_text())
+    (out / "dataset.json").write_text(json.dumps({**info, "sites": list(mapping)}, indent=1))
+    return out.resolve(), mapping
+
+
+def renamed(mapping: dict[str, str]) -> str | None:
+    """A line naming the sites that run under another name, or None."""
+    moved = [f"'{site}' as '{name}'" for name, site in mapping.items() if name != site]
+    if not moved:
+        return None
+    return f"FLARE site names allow letters, digits, - and _ only: {', '.join(moved)}"
+
+
+def data_overrides(root: str | Path, overrides: dict, size: int | None = None) -> dict:
+    """``overrides`` (the user's --set) plus what ``root``'s dataset.json implies where they say nothing:
+    ``net.in_channels``, ``net.out_channels`` = number of classes, ``data.size`` = ``size`` or the
+    recorded ``train_size``."""
+    info = load_dataset_info(root)
+    out = copy.deepcopy(overrides)
+    net, data = out.setdefault("net", {}), out.setdefault("data", {})
+    net.setdefault("in_channels", int(info["in_channels"]))
+    net.setdefault("out_channels", len(info["classes"]))
+    if size is not None or info.get("train_size"):
+        data.setdefault("size", int(size if size is not None else info["train_size"]))
+    if not data:
+        del out["data"]
+    return out
+
+
+def project_with_sites(project: dict, sites: list[str]) -> dict:
+    """A parsed project.yml whose client participants are ``sites`` (FLARE names), org ``hospital_<i>``."""
+    project = copy.deepcopy(project)
+    others = [p for p in project["participants"] if p["type"] != "client"]
+    clients = [{"name": s, "type": "client", "org": f"hospital_{i + 1}"} for i, s in enumerate(sites)]
+    server = [p for p in others if p["type"] == "server"]
+    project["participants"] = server + clients + [p for p in others if p["type"] != "server"]
+    return project

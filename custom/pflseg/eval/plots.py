@@ -1,0 +1,129 @@
+"""Pictures and tables of a run, written to ``<workspace>/results/``.
+
+``write_results`` (every ``pflseg run``) writes ``val_dice.png`` (validation Dice per round, one line per site,
+from ``results.json`` ``history``), ``test.md`` and ``test.csv`` (per-site test metrics of every model a site
+scored) and ``overlays.md`` (the paths of the overlays each site drew of its own test cases, in its state
+folder: ``<workspace>/state/<site>/<job>/overlays/``). Plots need matplotlib (``pip install -e ".[plots]"``);
+without it the tables are still written and the runner says how to get the plots.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from pflseg.eval.tables import METRIC_COLUMNS, infer_table, route_table, metric_rows, metric_table
+
+PLOTS_HINT = 'no plots: matplotlib is not installed (pip install -e ".[plots]")'
+
+
+def have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def val_curves(results: dict) -> dict[str, list[tuple[int, float]]]:
+    """``{site: [(round, validation Dice)]}`` from ``results["history"]`` (rounds counted from 1)."""
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for h in results.get("history", []):
+        for site, dice in sorted((h.get("val_dice") or {}).items()):
+            if dice is not None:
+                curves.setdefault(site, []).append((int(h["round"]) + 1, float(dice)))
+    return curves
+
+
+def mean_curve(results: dict) -> list[tuple[int, float]]:
+    """Validation Dice per round averaged over the sites that reported it."""
+    out = []
+    for h in results.get("history", []):
+        values = [d for d in (h.get("val_dice") or {}).values() if d is not None]
+        if values:
+            out.append((int(h["round"]) + 1, sum(values) / len(values)))
+    return out
+
+
+def plot_lines(curves: dict[str, list[tuple[int, float]]], path: str | Path, title: str,
+               ylabel: str = "validation Dice") -> Path:
+    """One line per entry of ``curves`` ({label: [(round, value)]}) -> PNG at ``path``."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    from matplotlib.ticker import MaxNLocator
+
+    for label, points in curves.items():
+        xs, ys = zip(*points) if points else ((), ())
+        style = {"color": "black", "linestyle": "--"} if label == "mean" else {}
+        ax.plot(xs, ys, marker="o", markersize=3, label=label, **style)
+    ax.set(xlabel="round", ylabel=ylabel, title=title, ylim=(0, 1))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    if curves:
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def overlay_paths(workspace: str | Path, job: str) -> dict[str, list[Path]]:
+    """``{site: [PNG]}``: the overlays the sites of ``job`` drew in ``<workspace>/state/<site>/<job>/overlays``."""
+    state = Path(workspace) / "state"
+    out = {}
+    for folder in sorted(state.glob(f"*/{job}/overlays")):
+        site = folder.parent.parent.name
+        if site != "server":
+            out[site] = sorted(folder.glob("*.png"))
+    return out
+
+
+def write_results(results: dict, workspace: str | Path) -> list[str]:
+    """Write ``<workspace>/results/`` (see the module docstring); return the lines to print."""
+    workspace = Path(workspace)
+    out = workspace / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    job = results.get("job", "job")
+    lines, written = [], []
+    if "route" in results or "infer" in results:  # post-training jobs: their table, predictions at the sites
+        (out / f"{job}.md").write_text((route_table if "route" in results else infer_table)(results) + "\n")
+        written.append(out / f"{job}.md")
+        for folder in sorted((workspace / "state").glob(f"*/{job}/predictions")):
+            lines.append(f"predictions at {folder.parent.parent.name}: {folder}")
+    if results.get("test"):
+        rows = metric_rows(results)
+        (out / "test.md").write_text(metric_table(rows) + "\n")
+        with open(out / "test.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=METRIC_COLUMNS)
+            w.writeheader()
+            w.writerows(rows)
+        written += [out / "test.md", out / "test.csv"]
+    curves = val_curves(results)
+    if curves:
+        if have_matplotlib():
+            mean = mean_curve(results)
+            written.append(plot_lines({**curves, "mean": mean}, out / "val_dice.png",
+                                      f"{job}: validation Dice per site"))
+        else:
+            lines.append(PLOTS_HINT)
+    overlays = overlay_paths(workspace, job)
+    if overlays:
+        listing = [f"- {site}: {p}" for site, paths in overlays.items() for p in paths]
+        (out / "overlays.md").write_text("Overlays (image | ground truth | prediction), drawn at each site:\n\n"
+                                         + "\n".join(listing) + "\n")
+        written.append(out / "overlays.md")
+        for site, paths in overlays.items():
+            lines.append(f"overlays at {site}: {paths[0].parent}/ ({', '.join(p.name for p in paths)})")
+    lines.insert(0, f"results: {', '.join(str(p) for p in written)}")
+    return lines

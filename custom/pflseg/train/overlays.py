@@ -1,0 +1,117 @@
+"""Prediction overlays, drawn at the site (the images never leave it): for the best and the worst test cases
+by Dice, one PNG of image | ground truth | prediction side by side, at the training resolution.
+
+A volume shows the slice with the most ground-truth foreground. Each class has its own colour, the same in
+the ground-truth and the prediction panel (for nested labels, e.g. disc and cup, the inner class is drawn
+over the outer one). Drawn with PIL (a core dependency), so every site can make them.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+#: class colours (RGB), cycled
+COLOURS = [(255, 64, 64), (64, 160, 255), (255, 220, 0), (0, 220, 120), (220, 80, 255), (255, 140, 0)]
+ALPHA = 0.45
+MIN_PANEL = 160  # panels are enlarged (nearest neighbour) to at least this many pixels
+HEADER = 16
+
+
+def pick_cases(per_case: dict[str, list[float]], n: int = 2) -> list[tuple[str, str, float]]:
+    """Up to ``n`` best and ``n`` worst cases by mean Dice over classes (half each when there are fewer
+    than 2n cases): ``[(tag, case, dice)]`` from the lowest Dice up; ``worst-1`` is the lowest, ``best-1``
+    the highest (ties broken by case name)."""
+    ranked = sorted(((float(np.mean(d)), c) for c, d in per_case.items()), key=lambda t: (-t[0], t[1]))
+    k = min(len(ranked), 2 * n)
+    best, worst = ranked[:(k + 1) // 2], ranked[::-1][:k // 2]
+    return [(f"worst-{i}", c, d) for i, (d, c) in enumerate(worst, 1)] + \
+        [(f"best-{i}", c, d) for i, (d, c) in reversed(list(enumerate(best, 1)))]
+
+
+def _to_rgb(image: torch.Tensor) -> np.ndarray:
+    """(C, H, W) z-scored image -> (H, W, 3) uint8: RGB when C = 3, else channel 0 in gray; each channel
+    stretched between its 1st and 99th percentile."""
+    x = image.float().numpy()
+    x = x if x.shape[0] == 3 else x[:1].repeat(3, 0)
+    lo, hi = np.percentile(x, 1, axis=(1, 2), keepdims=True), np.percentile(x, 99, axis=(1, 2), keepdims=True)
+    x = np.clip((x - lo) / np.maximum(hi - lo, 1e-6), 0, 1)
+    return (np.moveaxis(x, 0, -1) * 255).astype(np.uint8)
+
+
+def _tint(rgb: np.ndarray, mask: torch.Tensor) -> np.ndarray:
+    """``rgb`` with each class channel of ``mask`` (C, H, W) blended in its colour, class 0 first."""
+    out = rgb.astype(np.float32)
+    for c in range(mask.shape[0]):
+        m = mask[c].numpy().astype(bool)
+        out[m] = (1 - ALPHA) * out[m] + ALPHA * np.array(COLOURS[c % len(COLOURS)], np.float32)
+    return out.astype(np.uint8)
+
+
+def render(image: torch.Tensor, label: torch.Tensor, pred: torch.Tensor, title: str) -> Image.Image:
+    """One overlay: image, ground truth and prediction (each (C, H, W)) side by side under ``title``."""
+    rgb = _to_rgb(image)
+    panels = [rgb, _tint(rgb, label), _tint(rgb, pred)]
+    h, w = rgb.shape[:2]
+    k = max(1, -(-MIN_PANEL // max(h, w)))
+    panels = [Image.fromarray(p).resize((w * k, h * k), Image.NEAREST) for p in panels]
+    gap = 4
+    canvas = Image.new("RGB", (3 * w * k + 2 * gap, h * k + 2 * HEADER), (0, 0, 0))
+    draw = ImageDraw.Draw(canvas)
+    draw.text((2, 2), title, fill=(255, 255, 255))
+    for i, (panel, name) in enumerate(zip(panels, ("image", "ground truth", "prediction"))):
+        x = i * (w * k + gap)
+        canvas.paste(panel, (x, HEADER))
+        draw.text((x + 2, HEADER + h * k + 2), name, fill=(255, 255, 255))
+    return canvas
+
+
+def _safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "case"
+
+
+@torch.no_grad()
+def write_overlays(model: torch.nn.Module, dataset, device: torch.device, out_dir: str | Path,
+                   per_case: dict[str, list[float]], site: str = "", n: int = 2) -> list[Path]:
+    """Write ``<out_dir>/<worst|best>-<k>_<case>.png`` for the ``n`` worst and ``n`` best cases of
+    ``per_case`` (case -> Dice per class, as :func:`pflseg.train.evaluate.evaluate` returns it), replacing
+    the folder's earlier overlays.
+
+    Args:
+        model: The model whose predictions are drawn (its logits, sigmoid > 0.5 per class).
+        dataset: The split's 2D samples (``image`` (C, H, W), ``label``, ``case``).
+        per_case: Per-case Dice of ``model`` on ``dataset``.
+
+    Returns:
+        The paths written, worst first.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.glob("*.png"):
+        old.unlink()
+    chosen = pick_cases(per_case, n)
+    wanted = {case for _, case, _ in chosen}
+    slices: dict[str, dict] = {}  # the slice with the most ground-truth foreground per chosen case
+    depth: dict[str, int] = {}
+    for i in range(len(dataset)):
+        item = dataset[i]
+        case = str(item["case"])
+        if case in wanted:
+            depth[case] = depth.get(case, 0) + 1
+            if case not in slices or item["label"].sum() > slices[case]["label"].sum():
+                slices[case] = item
+    model.to(device).eval()
+    paths = []
+    for tag, case, dice in chosen:
+        item = slices[case]
+        pred = (torch.sigmoid(model(item["image"][None].to(device))) > 0.5)[0].cpu()
+        where = f" slice {int(item['slice'])}" if depth[case] > 1 else ""
+        title = f"{site} {case}{where}: Dice {dice:.3f} ({tag})"
+        path = out_dir / f"{tag}_{_safe(case)}.png"
+        render(item["image"], item["label"] > 0.5, pred, title).save(path)
+        paths.append(path)
+    return paths

@@ -1,0 +1,45 @@
+"""Overlays drawn at the site: which cases, which slice, what the picture holds."""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from pflseg.train.overlays import COLOURS, pick_cases, render, write_overlays
+from tests.unit.train.test_loop import Scale, Squares
+
+
+@pytest.mark.parametrize("per_case, expected", [
+    ({"a": [0.9]}, [("best-1", "a")]),
+    ({"a": [0.9], "b": [0.1]}, [("worst-1", "b"), ("best-1", "a")]),
+    ({"a": [0.9], "b": [0.1], "c": [0.5]}, [("worst-1", "b"), ("best-2", "c"), ("best-1", "a")]),
+    ({"a": [0.9], "b": [0.1, 0.3], "c": [0.5], "d": [0.3], "e": [0.15]},  # b's mean 0.2
+     [("worst-1", "e"), ("worst-2", "b"), ("best-2", "c"), ("best-1", "a")]),
+    ({"x": [0.5], "y": [0.5]}, [("worst-1", "y"), ("best-1", "x")]),  # ties: by name
+])
+def test_pick_cases_best_and_worst(per_case, expected):
+    assert [(t, c) for t, c, _ in pick_cases(per_case, n=2)] == expected
+
+
+def test_render_puts_image_truth_and_prediction_side_by_side():
+    image = torch.zeros(1, 8, 8)
+    label = torch.zeros(1, 8, 8, dtype=torch.bool)
+    label[0, :4] = True
+    pred = torch.zeros_like(label)
+    canvas = np.asarray(render(image, label, pred, "t"))
+    k = 20  # 8 px enlarged to at least 160
+    assert canvas.shape == (8 * k + 32, 3 * 8 * k + 8, 3)
+    truth_pixel, pred_pixel = canvas[16 + 5, 8 * k + 4 + 5], canvas[16 + 5, 2 * (8 * k + 4) + 5]
+    assert tuple(truth_pixel) == tuple(int(0.45 * c) for c in COLOURS[0]) and tuple(pred_pixel) == (0, 0, 0)
+
+
+def test_write_overlays_for_the_worst_and_best_case(tmp_path):
+    out = tmp_path / "overlays"
+    out.mkdir()
+    (out / "old.png").write_bytes(b"")
+    paths = write_overlays(Scale(10.0), Squares(), torch.device("cpu"), out,
+                           {"case0": [0.25], "case1": [0.75]}, site="site-1")
+    assert [p.name for p in paths] == ["worst-1_case0.png", "best-1_case1.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["best-1_case1.png", "worst-1_case0.png"]
+    with Image.open(paths[0]) as im:
+        assert im.mode == "RGB" and im.size == (3 * 160 + 8, 160 + 32)
