@@ -325,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "routing at an outside site; tables and pictures")
     m.add_argument("--workspace", default="demo")
     m.add_argument("--sites", type=int, default=3, help="inside sites (one more, outside, never trains)")
-    m.add_argument("--rounds", type=int, default=12)
+    m.add_argument("--rounds", type=int, default=8)
     m.add_argument("--threads", type=int)
     m.set_defaults(func=_demo)
 

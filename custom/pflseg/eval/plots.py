@@ -61,10 +61,12 @@ def plot_lines(curves: dict[str, list[tuple[int, float]]], path: str | Path, tit
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
     from matplotlib.ticker import MaxNLocator
 
-    for label, points in curves.items():
+    markers = "os^Dvx*P"
+    for i, (label, points) in enumerate(curves.items()):  # markers and shrinking widths: equal curves stay visible
         xs, ys = zip(*points) if points else ((), ())
         style = {"color": "black", "linestyle": "--"} if label == "mean" else {}
-        ax.plot(xs, ys, marker="o", markersize=3, label=label, **style)
+        ax.plot(xs, ys, marker=markers[i % len(markers)], markersize=6 - 0.5 * (i % 6), linewidth=2.5 - 0.25 * (i % 6),
+                label=label, **style)
     ax.set(xlabel="round", ylabel=ylabel, title=title, ylim=(0, 1))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
