@@ -57,16 +57,23 @@ class FedSMSite(Site):
         sel_stats, sel_params = self.train_selector_model(selector, labels_of, msg, seed)
         train_s = time.time() - t0
         sel_acc = self.selector_accuracy(selector, labels_of)
+        received = build_selector(selector_cfg(cfg, len(self.sites)))  # the federation's selector, as used at inference
+        received.load_state_dict(unprefixed("select", msg.params))
+        sel_acc_global = self.selector_accuracy(received, labels_of)
         self.store.save(r, {"round": r, "optim.global": optim_g, "optim.person": optim_p})
         params = {**prefixed("global", cpu_state(glob)), **prefixed("person", cpu_state(person)), **sel_params}
         metrics = {"val_dice": val_g["dice"], "val_dice_person": val_p["dice"], "train_loss": stats["loss"],
-                   "selector_loss": sel_stats["loss"], "selector_val_acc": sel_acc, "train_seconds": train_s,
+                   "selector_loss": sel_stats["loss"], "selector_val_acc": sel_acc_global,
+                   "selector_val_acc_local": sel_acc, "train_seconds": train_s,
                    "n_samples": stats["samples"]}
         return self.reply(params, metrics, stats["samples"])
 
     @torch.no_grad()
     def selector_accuracy(self, selector, labels_of) -> float:
-        """Fraction of the site's validation images the trained selector sends to their label's model."""
+        """Fraction of the site's validation images ``selector`` sends to their label's model. Reported for the
+        received (aggregated) selector, the one inference uses (``selector_val_acc``), and for the site's
+        locally trained one (``selector_val_acc_local``: with FedSM's one-label-per-site data it is trivially
+        high, so it says nothing about routing)."""
         selector.to(self.device).eval()
         right = total = 0
         for batch in make_loader(self.data("validation"), self.cfg["train"]["eval_batch_size"], shuffle=False):
