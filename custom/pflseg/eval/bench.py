@@ -294,11 +294,11 @@ def plot(report: dict, out: Path) -> None:
     table, sites = report["inside"], report["inside_sites"]
     labels = [l for l in table if table[l]]
     fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(sites) * len(labels) / 4), 4.5))
-    width = 0.8 / max(len(labels), 1)
+    width, colors = 0.8 / max(len(labels), 1), plt.get_cmap("tab20").colors
     for i, label in enumerate(labels):
         xs = [j + i * width for j in range(len(sites))]
         ax.bar(xs, [table[label].get(s, {}).get("mean", 0) for s in sites], width,
-               yerr=[table[label].get(s, {}).get("std", 0) for s in sites], label=label, capsize=2)
+               yerr=[table[label].get(s, {}).get("std", 0) for s in sites], label=label, capsize=2, color=colors[i % 20])
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sites))], sites)
     ax.set_ylabel("test Dice")
     ax.set_ylim(0, 1)
@@ -308,8 +308,9 @@ def plot(report: dict, out: Path) -> None:
     fig.savefig(out / "bench_inside.png", dpi=120)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for job, curve in report["curves"].items():
-        ax.plot(range(1, len(curve) + 1), curve, label=job)
+    colors = plt.get_cmap("tab20").colors
+    for i, (job, curve) in enumerate(report["curves"].items()):  # 20 colours, and a line style per 4: no two alike
+        ax.plot(range(1, len(curve) + 1), curve, label=job, color=colors[i % 20], linestyle=("-", "--", ":", "-.")[i % 4])
     ax.set_xlabel("round")
     ax.set_ylabel("mean validation Dice")
     ax.legend(fontsize=7)
