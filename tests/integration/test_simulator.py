@@ -164,8 +164,11 @@ def test_missing_data_location_fails_with_a_clear_message(tmp_path, monkeypatch)
     job = export_job("fedavg", tmp_path / "jobs", overrides={**TINY, "rounds": 1})
     with pytest.raises(RuntimeError, match="did not finish"):
         run_simulator(job, tmp_path, n_sites=2, progress=lambda m: None)
-    log = (tmp_path / "sim" / "server" / "log.txt").read_text()
-    assert f"site-1: data location {tmp_path / 'nowhere'}" in log and "does not exist" in log
+    log = (tmp_path / "sim" / "server" / "log.txt").read_text()  # what the site sent: no absolute path
+    assert "site-1: data location .../nowhere" in log and "does not exist" in log
+    assert not [line for line in log.splitlines() if "left out of this round" in line and str(tmp_path) in line]
+    site_log = (tmp_path / "sim" / "site-1" / "log.txt").read_text()  # the site's own log: the whole path
+    assert f"data location {tmp_path / 'nowhere'}" in site_log
 
 
 def test_python_job_py_route_with_simenv(tmp_path):
