@@ -152,6 +152,7 @@ class Bench:
         if RoundStore(ws / "state" / "server" / job).latest() is not None:
             over["resume"] = True
         data, mapping = site_view(self.root, clients, ws / "data")
+        ws.mkdir(parents=True, exist_ok=True)
         (ws / "sites.json").write_text(json.dumps(mapping, indent=1))
         job_dir = export_job(job, ws / "job", overrides=over)
         return run_simulator(job_dir, ws, n_sites=len(clients), threads=self.threads, data=data, progress=lambda m: None,

@@ -116,12 +116,14 @@ class LCFedSite(Site):
 
     def test(self, msg: FLModel) -> FLModel:
         """The site's best model by validation (with the other sites' heads it was chosen with) on its test
-        split; with HC also its coarse head alone (``site_coarse``)."""
+        split; with HC also its coarse head alone (``site_coarse``). Overlays of its best and worst test cases (the
+        reported model, calibrated heads included) go to ``<state>/overlays/``, as for every other method."""
         best = load_file(self.best_path)
         self.net.load_state_dict(unprefixed("model", best))
         heads = {s: unprefixed(f"heads.{s}", best) for s in self.sites if unprefixed(f"heads.{s}", best)}
         metrics = {"site": {**self.evaluate(self.predictor(heads), "testing", surface=True),
                             "selected_round": best["round"]}}
+        self.draw_overlays(self.predictor(heads), metrics["site"])
         if self.step_cfg["hc"]:
             metrics["site_coarse"] = self.evaluate(self.net, "testing", surface=True)
         return self.reply({}, {"test": metrics})

@@ -22,3 +22,12 @@ def test_fedrep_sends_no_head(federation):
     out = fed.site().train(fed.message(0))
     assert keys_of(out.params, "global") == set(shared_keys(build_net(fed.cfg["net"]))) and not keys_of(out.params, "head")
     assert fed.site().step_cfg["hc"] is False and fed.site().step_cfg["lam"] == 0.0
+
+
+def test_lcfed_test_task_draws_the_reported_models_overlays(federation):
+    fed = federation("lcfed", **LC)
+    site = fed.site()
+    site.train(fed.message(0))
+    out = site.test(fed.message(1, params={}))
+    assert 0.0 <= out.metrics["test"]["site"]["dice"] <= 1.0
+    assert list((fed.store().root / "overlays").glob("*.png"))  # its worst and best test cases (one here)
