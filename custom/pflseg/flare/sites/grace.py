@@ -5,7 +5,8 @@ discriminator trains in the same optimizer and stays in the site's state (it nev
 
 The site's personalized model is its local model after the round's training (best by validation); the
 received global model is scored, not kept (also the final one, unless ``grace.final_global_candidate``).
-Every round the site reports the mean size of its meta-train step, ||theta' - theta|| (``inner_step_norm``).
+Every round the site reports the mean size of its meta-train step, ||theta' - theta|| (``inner_step_norm``),
+and of the outer step beside it (``outer_step_norm``).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class GraceSite(FedAvgSite):
             align = functools.partial(adversarial_alignment, disc)
         else:
             align = {"coral": coral, "mmd": mmd}[grace["align"]]
-        self.inner = {"inner_norm_sum": 0.0, "inner_steps": 0}
+        self.inner = {"inner_norm_sum": 0.0, "outer_norm_sum": 0.0, "inner_steps": 0}
         step = functools.partial(meta_step, inner_lr=grace["inner_lr"], beta=grace["beta"], align_fn=align,
                                  global_model=frozen, feature_fn=unet_features, split=grace["split"],
                                  inner=grace["inner_step"], record=self.inner)
@@ -60,7 +61,8 @@ class GraceSite(FedAvgSite):
     def round_metrics(self) -> dict:
         if not self.inner.get("inner_steps"):
             return {}
-        return {"inner_step_norm": self.inner["inner_norm_sum"] / self.inner["inner_steps"]}
+        n = self.inner["inner_steps"]
+        return {"inner_step_norm": self.inner["inner_norm_sum"] / n, "outer_step_norm": self.inner["outer_norm_sum"] / n}
 
     def validate(self, msg: FLModel) -> FLModel:
         """The final global model, scored for the server's choice; a candidate for the site's personalized model

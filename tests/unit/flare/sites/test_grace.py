@@ -43,4 +43,4 @@ def test_final_global_model_is_not_the_personalized_one_unless_configured(federa
 def test_inner_step_size_is_reported(federation):
     fed = federation("grace")
     out = fed.site().train(fed.message(0))
-    assert out.metrics["inner_step_norm"] > 0
+    assert out.metrics["inner_step_norm"] > 0 and out.metrics["outer_step_norm"] > 0
