@@ -162,12 +162,26 @@ class Site:
             raise error
         return None, {}
 
+    def joins_late(self, r: int) -> bool:
+        """Whether the site starts round ``r > 0`` as if it were round 0: it has completed no round of this job
+        (left out of every round so far, e.g. it timed out in round 0), so it has no own state yet and takes
+        what the server sends, with a log line. Never in a resumed job (its state must be there)."""
+        if r <= 0 or self.cfg["resume"] or self.store.rounds():
+            return False
+        if ("late", r) not in self._told:
+            log.warning("site %s: round %d is its first completed round in this job (left out of every earlier one): "
+                        "it starts from what the server sends, as in round 0", self.name, r)
+            self._told.add(("late", r))
+        return True
+
     def require_own(self, round_num: int) -> dict | None:
-        """The site's own model from its latest completed round before ``round_num`` (None in round 0); an
-        error when a later round finds none (state removed, moved site)."""
+        """The site's own model from its latest completed round before ``round_num`` (None in round 0 and when
+        the site ``joins_late``); an error when a later round finds none (state removed, moved site)."""
         if round_num <= 0:
             return None
         own = unprefixed("model", self.latest_state(round_num)[1])
+        if not own and self.joins_late(round_num):
+            return None
         if not own:
             raise RuntimeError(
                 f"site {self.name}: no state before round {round_num} in {self.store.root}; "

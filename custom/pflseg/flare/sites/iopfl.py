@@ -39,7 +39,7 @@ class IOPFLSite(Site):
     def train(self, msg: FLModel) -> FLModel:
         r, cfg = msg.current_round, self.cfg
         seed, prev = self.begin_round(r)
-        if r > 0 and not prev:
+        if r > 0 and not prev and not self.joins_late(r):
             raise RuntimeError(f"site {self.name}: no state before round {r} in {self.store.root} (P_k lives there); "
                                "the site state was removed or the job was resumed at another site")
         model = self.model_for_round(msg.params, r)

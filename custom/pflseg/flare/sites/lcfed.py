@@ -48,7 +48,7 @@ class LCFedSite(Site):
         """The site's latest completed round state before round ``r`` (``latest_state``: a round it was left
         out of is skipped, an unreadable file falls back to the round before it)."""
         state = self.latest_state(r)[1]
-        if r > 0 and not state:
+        if r > 0 and not state and not self.joins_late(r):
             raise RuntimeError(f"site {self.name}: no state before round {r} in {self.store.root} (its heads live there); "
                                "the site state was removed or the job was resumed at another site")
         return state

@@ -48,6 +48,23 @@ def test_a_site_that_missed_a_round_continues_from_its_latest_completed_state(me
     assert "round 2 continues from the site's state of round 0" in caplog.text
 
 
+# ---- a site left out of every round so far (it timed out in round 0) joins later, as in round 0 -------------
+@pytest.mark.parametrize("method", ["fedbn", "local", "iopfl", "lcfed"])
+def test_a_site_that_never_completed_a_round_joins_later_as_in_round_0(method, federation, caplog):
+    over = {"net": {"name": "lcfed", "channels": [4, 8, 8], "strides": [2, 2]}} if method == "lcfed" else {}
+    fed = federation(method, **over)
+    msg = fed.message(3, {} if method == "local" else None)
+    with caplog.at_level(logging.WARNING, logger="pflseg.client"):
+        out, _ = answer("site-1", "train", msg, None)
+    assert "pflseg_error" not in out.meta and out.metrics["val_dice"] >= 0
+    assert fed.store().rounds() == [3]
+    assert "round 3 is its first completed round in this job" in caplog.text
+    # a resumed job needs the site's state: still an error naming the folder
+    fed2 = federation(method, resume=True, **over)
+    out, _ = answer("site-2", "train", fed2.message(3, {} if method == "local" else None), None)
+    assert "no state before round 3" in out.meta["pflseg_error"]
+
+
 # ---- a truncated state file: StateError naming it; the round before it is used -----------------------------
 def test_a_truncated_round_file_falls_back_to_the_round_before_with_a_log_line(federation, caplog):
     fed = federation("fedbn")
