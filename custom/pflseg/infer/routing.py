@@ -32,6 +32,7 @@ from torch.utils.data import Dataset
 from pflseg.algorithms.iopfl import average_states
 from pflseg.algorithms.routing import (
     BestPredictions,
+    RoutedConv,
     build_routed_model,
     loss_weights,
     norm_affine_parameters,
@@ -70,6 +71,32 @@ def adapt(model: nn.Module, params: list, dataset: Dataset, device, weights: dic
     return best, time.time() - t0
 
 
+def mean_coefficients(routed: nn.Module, dataset: Dataset, device, batch_size: int = 32) -> dict:
+    """What a routed model learned to mix: the routing coefficients of every routed layer, averaged over the
+    site's images, in expert order (P_1..P_K, w_g). Returns {"layers": [[E floats] per layer, forward order],
+    "mean": [E floats] over the layers}."""
+    layers = [m for m in routed.modules() if isinstance(m, RoutedConv)]
+    sums = [torch.zeros(layers[0].n_experts, dtype=torch.float64) for _ in layers]
+    count = 0
+
+    def hook(i):
+        def add(module, args):  # returns None: the layer's input stays as it is
+            sums[i].add_(module.coefficients(args[0]).detach().double().sum(0).cpu())
+        return add
+
+    handles = [layer.register_forward_pre_hook(hook(i)) for i, layer in enumerate(layers)]
+    try:
+        with torch.no_grad():
+            for batch in make_loader(dataset, batch_size, shuffle=False):
+                routed(batch["image"].to(device))
+                count += batch["image"].shape[0]
+    finally:
+        for h in handles:
+            h.remove()
+    per_layer = [(s / count).tolist() for s in sums]
+    return {"layers": per_layer, "mean": (torch.stack([s / count for s in sums]).mean(0)).tolist()}
+
+
 def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Dataset, device, cfg: dict, seed: int = 0,
                out_dir: str | Path | None = None, label_encoding: str = "nested", comparators: bool = True,
                batch_size: int = 32) -> dict:
@@ -86,7 +113,8 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
 
     Returns:
         {"n_images", "n_cases", "methods": {name: {"dice", "dice_per_class", "per_case", "seconds"}},
-        "predictions": str(out_dir) or None, "seconds_per_sample": routing adaptation per sample and epoch}.
+        "predictions": str(out_dir) or None, "seconds_per_sample": routing adaptation per sample and epoch,
+        "coefficients": {adaptive method: :func:`mean_coefficients`}}.
     """
     if len(dataset) == 0:
         raise ValueError("dataset: empty, nothing to route")
@@ -123,11 +151,13 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
     seconds.update({m: static_s for m in ("global", "average", "ensemble") if m in methods})
 
     adaptive = {"routing": cfg["router"], "routing_global": "model", "routing_layer": "layer_global"}
+    coefficients = {}
     for name in [m for m in methods if m in adaptive]:
         routed = build_routed_model(all_experts, router=adaptive[name], norm_affine=cfg["norm_affine"]).to(device)
         params = router_parameters(routed) + (norm_affine_parameters(routed) if cfg["norm_affine"] else [])
         best, seconds[name] = adapt(routed, params, dataset, device, weights, cfg, seed)
         preds[name] = best.pred
+        coefficients[name] = mean_coefficients(routed, dataset, device, batch_size)
     tent_note = None
     if "tent" in methods:
         tent = use_batch_stats(copy.deepcopy(global_model)).requires_grad_(False)
@@ -156,6 +186,8 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
               "seconds_per_sample": seconds["routing"] / (len(samples) * cfg["epochs"])}
     if tent_note:
         result["tent_note"] = tent_note
+    if coefficients:
+        result["coefficients"] = coefficients
     for name in methods:
         result["methods"][name] = {**case_dice(by_case, names, lambda s, n=name: n), "seconds": seconds[name]}
     if out_dir is not None:

@@ -25,3 +25,17 @@ def test_route_site_scores_every_method_and_writes_png_for_2d_images(tmp_path):
     for m in res["methods"].values():
         assert 0 <= m["dice"] <= 1 and sorted(m["per_case"]) == ["a", "bb"]  # labels only score
     assert sorted(p.name for p in (tmp_path / "pred").iterdir()) == ["a.png", "bb.png", "ccc.png"]
+
+
+def test_route_site_reports_the_learned_mix_per_layer_in_expert_order(tmp_path):
+    nets = []
+    for i in range(3):
+        torch.manual_seed(i)
+        nets.append(build_net(NET))
+    res = route_site(nets[:2], nets[2], [sample("a", True), sample("bb", True)], "cpu", CFG)
+    assert sorted(res["coefficients"]) == ["routing", "routing_global", "routing_layer"]
+    for name, c in res["coefficients"].items():
+        assert len(c["mean"]) == 3 and all(len(layer) == 3 for layer in c["layers"])  # P_1, P_2, w_g
+        assert abs(sum(c["mean"]) - 1) < 1e-5, name  # normalised mixes
+    one = res["coefficients"]["routing_global"]["layers"]
+    assert all(layer == one[0] for layer in one)  # the paper's Global: one vector shared by every layer
