@@ -1,56 +1,24 @@
-"""A provisioned 3-site federation on loopback (separate processes, mutual TLS), started once for the
-module: jobs submitted through the FLARE API in package mode (FedAvg, FedBN) and BYOC mode, refusals
-(a user without the right, a client from another project), a site killed mid-round, and a shutdown
-that leaves no process behind."""
+"""A provisioned 3-site federation on loopback, started once for the module: jobs submitted through the
+FLARE API in package mode (FedAvg, FedBN) and BYOC mode, refusals (a user without the right, a client from
+another project), a straggler beyond the task timeout, a site restarted mid-job, and a shutdown that leaves no
+process behind. Tests run in file order on the one federation. The server SIGKILLed mid-round and a site dead
+for good: test_deploy_faults.py (its own federation)."""
 
-import json
+import signal
+import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from pflseg.data import make_synthetic
-from pflseg.deploy.local import LocalFederation
-from pflseg.deploy.provision import REPO_PROJECT, provision_loopback
 from pflseg.deploy.submit import SubmitError, submit
-from pflseg.flare.jobs import export_job
+from tests.integration.federation import SITES, check_per_site, federation, job, on_round, rounds_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deploy")]  # one worker: shared module fixture
-SITES = ["site-1", "site-2", "site-3"]
-TINY = {"rounds": 2, "min_clients": 2, "task_timeout": 300, "data": {"size": 32},
-        "net": {"channels": [4, 8, 16], "strides": [2, 2]}, "train": {"batch_size": 8, "epochs": 1}}
 
 
 @pytest.fixture(scope="module")
 def fed(tmp_path_factory):
-    ws = tmp_path_factory.mktemp("federation")
-    data = make_synthetic(ws / "data", n_sites=3, cases=5, size=32, depth=6)
-    federation = LocalFederation(ws / "fed", progress=lambda m: None)
-    federation.provision({"data": str(data), "device": "cpu"})
-    federation.start()
-    # a client provisioned by another project (its own root CA) aims at the same server
-    port = json.loads((federation.kit("site-1") / "startup" / "fed_client.json").read_text())["servers"][0]["service"]["target"]
-    intruder = LocalFederation(ws / "intruder", progress=lambda m: None)
-    provision_loopback(intruder.workspace, REPO_PROJECT, port=int(port.split(":")[1]))
-    intruder.start_participant("site-1")  # same name as a real site, wrong certificates
-    federation.intruder = intruder
-    try:
-        federation.wait_connected(timeout=180)
-        yield federation
-    finally:
-        intruder.kill("site-1")
-        federation.stop(timeout=30)
-
-
-def job(tmp_path, name, mode="package", **over):
-    cfg = {**TINY, **over}
-    return export_job(name, tmp_path / "jobs", overrides=cfg, mode=mode, job_name=f"{name}_{mode}")
-
-
-def check_per_site(res, sites, status=("FINISHED:COMPLETED",)):
-    assert res["status"] in status and sorted(res["test"]) == sites
-    for site in sites:
-        assert 0.0 <= res["test"][site]["site"]["dice"] <= 1.0 and res["test"][site]["site"]["n_cases"] >= 1
+    yield from federation(tmp_path_factory, intruder=True)
 
 
 def test_package_mode_fedavg(fed, tmp_path):
@@ -89,24 +57,45 @@ def test_client_of_another_project_cannot_join(fed):
     assert "CERTIFICATE_VERIFY_FAILED" in log, log[-2000:]
 
 
-def test_site_killed_mid_round_personalized_job_finishes_without_it(fed, tmp_path):
-    """FedBN (personalized norm layers at the sites), 3 rounds, min_clients 2: site-3 dies in round 2."""
-    killed = []
+def test_straggler_beyond_the_timeout_is_left_out_then_back(fed, tmp_path):
+    """FedBN, 4 rounds, task_timeout 15 s: site-3's job process is stopped (SIGSTOP) for 32 s in round 2,
+    while its site process stays connected, then continued: left out of the rounds it missed, back after."""
 
-    def progress(msg):
-        if "round 1 done" in msg and not killed:
-            fed.kill("site-3")
-            killed.append(time.time())
+    def stall(job_id):
+        procs = [p for p in fed._tree([fed.pids["site-3"]]) if job_id in " ".join(p.cmdline())]
+        assert procs, "site-3 runs no process of the job"
+        for p in procs:
+            p.send_signal(signal.SIGSTOP)
+        threading.Timer(32, lambda: [p.send_signal(signal.SIGCONT) for p in procs]).start()
 
-    folder = job(tmp_path, "fedbn", rounds=3, task_timeout=20)
-    res = submit(folder, fed.admin_kit(), out=tmp_path / "dl", progress=progress, poll=0.5)
-    assert killed, "never saw round 1 finish"
-    assert [h["round"] for h in res["history"]] == [0, 1, 2]
-    assert "site-3" in res["missing"] and sorted(res["test"]) == ["site-1", "site-2"]
-    # FLARE may call the job abnormal (a site's job process died); pflseg's results are complete
+    progress = on_round(1, stall)
+    res = submit(job(tmp_path, "fedbn", rounds=4, task_timeout=15), fed.admin_kit(), out=tmp_path / "dl",
+                 progress=progress, poll=0.5)
+    assert "done" in progress.seen, "never saw round 1 finish"
+    assert "timed out" in res["missing"]["site-3"]
+    assert rounds_of(res, "site-1") == [0, 1, 2, 3]
+    late = rounds_of(res, "site-3")
+    assert late[0] == 0 and 1 not in late and late[-1] == 3, late  # out while stopped, re-admitted after
+    check_per_site(res, SITES)  # and tested at the end with its own state
+
+
+def test_site_restarted_mid_job_is_left_out_of_that_job_only(fed, tmp_path):
+    """FedBN, 3 rounds: site-3 is killed and started again in round 2. FLARE does not deploy a running job to
+    a site that restarts, so site-3 stays out of this job (each round waits task_timeout for it); it connects
+    again at once and takes part in the next job."""
+
+    def restart(_job_id):
+        fed.kill("site-3")
+        fed.start_participant("site-3")
+
+    res = submit(job(tmp_path, "fedbn", rounds=3, task_timeout=20), fed.admin_kit(), out=tmp_path / "dl",
+                 progress=on_round(1, restart), poll=0.5)
+    assert rounds_of(res, "site-3") == [0] and rounds_of(res, "site-1") == [0, 1, 2]
     check_per_site(res, ["site-1", "site-2"], status=("FINISHED:COMPLETED", "FINISHED:ABNORMAL"))
-    log = next(Path(res["download"]).rglob("log.txt")).read_text()  # the server's job log, downloaded
-    assert "site site-3 left out of this round" in log
+    assert fed.wait_connected(timeout=120) == SITES
+    again = submit(job(tmp_path / "next", "fedavg", rounds=1), fed.admin_kit(), out=tmp_path / "dl2",
+                   progress=lambda m: None, poll=0.5)
+    check_per_site(again, SITES)
 
 
 def test_shutdown_leaves_no_process(fed):

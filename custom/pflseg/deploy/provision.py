@@ -36,10 +36,15 @@ class PflsegBuilder(Builder):
     Args:
         storage_root: the server's folder for submitted jobs (``jobs-storage``) and snapshots
             (``snapshot-storage``); one per deployment.
+        heart_beat_timeout: seconds without a heartbeat after which the server drops a site as dead and
+            ends its tasks (FLARE's dead-client path); written into the server's ``startup/fed_server.json``.
+            None keeps FLARE's default, 600 s. A dead site's task ends after min(this, the job's
+            ``task_timeout``).
     """
 
-    def __init__(self, storage_root: str = "/var/lib/pflseg/flare"):
+    def __init__(self, storage_root: str = "/var/lib/pflseg/flare", heart_beat_timeout: int | None = None):
         self.storage_root = storage_root
+        self.heart_beat_timeout = heart_beat_timeout
 
     def build(self, project, ctx):
         server = project.get_server()
@@ -48,6 +53,12 @@ class PflsegBuilder(Builder):
             add_to_resources(resources)
             if participant is server:
                 _set_storage(resources, Path(self.storage_root))
+        if self.heart_beat_timeout is not None:
+            fed_server = Path(ctx.get_kit_dir(server)) / "fed_server.json"
+            conf = json.loads(fed_server.read_text())
+            for entry in conf["servers"]:
+                entry["heart_beat_timeout"] = int(self.heart_beat_timeout)
+            fed_server.write_text(json.dumps(conf, indent=2))
 
 
 def _set_storage(resources_file: Path, root: Path) -> None:
@@ -65,8 +76,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: a loopback federation's dead-site detection (FLARE's default, 600 s, suits hosts on real networks)
+LOOPBACK_HEART_BEAT_TIMEOUT = 60
+
+
 def loopback_project(project: dict, workspace: Path, port: int) -> dict:
-    """``project`` (parsed project.yml) made to run on this machine: server ``localhost:port``, storage in ``workspace``."""
+    """``project`` (parsed project.yml) made to run on this machine: server ``localhost:port``, storage in
+    ``workspace``, a site without heartbeat for ``LOOPBACK_HEART_BEAT_TIMEOUT`` s dropped as dead."""
     project = json.loads(json.dumps(project))
     servers = [p for p in project["participants"] if p["type"] == "server"]
     if len(servers) != 1:
@@ -75,7 +91,8 @@ def loopback_project(project: dict, workspace: Path, port: int) -> dict:
     servers[0].pop("admin_port", None)
     for b in project["builders"]:
         if b["path"].endswith("PflsegBuilder"):
-            b["args"] = {**(b.get("args") or {}), "storage_root": str(workspace / "storage")}
+            b["args"] = {"heart_beat_timeout": LOOPBACK_HEART_BEAT_TIMEOUT, **(b.get("args") or {}),
+                         "storage_root": str(workspace / "storage")}
     return project
 
 

@@ -18,6 +18,7 @@ def test_loopback_project_binds_localhost_and_keeps_its_storage(tmp_path):
     assert server["name"] == "localhost" and server["fed_learn_port"] == 12345
     (builder,) = [b for b in lo["builders"] if b["path"] == "pflseg.deploy.provision.PflsegBuilder"]
     assert builder["args"]["storage_root"] == str(tmp_path / "storage")
+    assert builder["args"]["heart_beat_timeout"] == 60  # a dead site is dropped after 60 s (FLARE's default: 600)
     assert project["participants"][0]["name"] == "server1"  # the original is untouched
     roles = {p["name"]: p.get("role") for p in project["participants"] if p["type"] == "admin"}
     assert sorted(roles.values()) == ["lead", "member", "project_admin"]

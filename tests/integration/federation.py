@@ -1,0 +1,68 @@
+"""A provisioned 3-site federation on loopback (separate processes, mutual TLS) for one test module, and
+what its tests share. Each module gets its own federation (its own xdist group), so two modules' waits
+(task timeouts, FLARE's dead-client detection) overlap instead of adding up."""
+
+import json
+import time
+
+from pflseg.data import make_synthetic
+from pflseg.deploy.local import LocalFederation
+from pflseg.deploy.provision import REPO_PROJECT, provision_loopback
+from pflseg.flare.jobs import export_job
+
+SITES = ["site-1", "site-2", "site-3"]
+TINY = {"rounds": 2, "min_clients": 2, "task_timeout": 300, "data": {"size": 32},
+        "net": {"channels": [4, 8, 16], "strides": [2, 2]}, "train": {"batch_size": 8, "epochs": 1}}
+
+
+def federation(tmp_path_factory, intruder: bool = False):
+    """Provision, start and yield a loopback federation (with ``intruder``: also a client of another project
+    aiming at the same server, as ``federation.intruder``); stopped at the end."""
+    ws = tmp_path_factory.mktemp("federation")
+    data = make_synthetic(ws / "data", n_sites=3, cases=5, size=32, depth=6)
+    fed = LocalFederation(ws / "fed", progress=lambda m: None)
+    fed.provision({"data": str(data), "device": "cpu"})
+    fed.start()
+    fed.intruder = None
+    if intruder:  # its own root CA, the same name as a real site: wrong certificates
+        port = json.loads((fed.kit("site-1") / "startup" / "fed_client.json").read_text())["servers"][0]["service"]["target"]
+        fed.intruder = LocalFederation(ws / "intruder", progress=lambda m: None)
+        provision_loopback(fed.intruder.workspace, REPO_PROJECT, port=int(port.split(":")[1]))
+        fed.intruder.start_participant("site-1")
+    try:
+        fed.wait_connected(timeout=180)
+        yield fed
+    finally:
+        if fed.intruder is not None:
+            fed.intruder.kill("site-1")
+        fed.stop(timeout=30)
+
+
+def job(tmp_path, name, mode="package", **over):
+    cfg = {**TINY, **over}
+    return export_job(name, tmp_path / "jobs", overrides=cfg, mode=mode, job_name=f"{name}_{mode}")
+
+
+def check_per_site(res, sites, status=("FINISHED:COMPLETED",)):
+    assert res["status"] in status and sorted(res["test"]) == sites
+    for site in sites:
+        assert 0.0 <= res["test"][site]["site"]["dice"] <= 1.0 and res["test"][site]["site"]["n_cases"] >= 1
+
+
+def on_round(n, action):
+    """A submit() progress callback that runs ``action(job_id)`` once, when the server logs round n done."""
+    seen = {}
+
+    def progress(msg):
+        if " as job " in msg:
+            seen["job"] = msg.split(" as job ")[1].split()[0]
+        if f"round {n} done" in msg and "done" not in seen:
+            seen["done"] = time.time()
+            action(seen["job"])
+
+    progress.seen = seen
+    return progress
+
+
+def rounds_of(res, site):
+    return [h["round"] for h in res["history"] if site in h.get("site_metrics", {})]
