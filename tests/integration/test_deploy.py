@@ -58,18 +58,19 @@ def test_client_of_another_project_cannot_join(fed):
 
 
 def test_straggler_beyond_the_timeout_is_left_out_then_back(fed, tmp_path):
-    """FedBN, 4 rounds, task_timeout 15 s: site-3's job process is stopped (SIGSTOP) for 32 s in round 2,
-    while its site process stays connected, then continued: left out of the rounds it missed, back after."""
+    """FedBN, 4 rounds, task_timeout 60 s (round 1 starts the job processes: a loaded machine needs ~35 s):
+    site-3's job process is stopped (SIGSTOP) for 75 s after round 1, while its site process stays connected,
+    then continued: left out of the rounds it missed, back after."""
 
     def stall(job_id):
         procs = [p for p in fed._tree([fed.pids["site-3"]]) if job_id in " ".join(p.cmdline())]
         assert procs, "site-3 runs no process of the job"
         for p in procs:
             p.send_signal(signal.SIGSTOP)
-        threading.Timer(32, lambda: [p.send_signal(signal.SIGCONT) for p in procs]).start()
+        threading.Timer(75, lambda: [p.send_signal(signal.SIGCONT) for p in procs]).start()
 
     progress = on_round(1, stall)
-    res = submit(job(tmp_path, "fedbn", rounds=4, task_timeout=15), fed.admin_kit(), out=tmp_path / "dl",
+    res = submit(job(tmp_path, "fedbn", rounds=4, task_timeout=60), fed.admin_kit(), out=tmp_path / "dl",
                  progress=progress, poll=0.5)
     assert "done" in progress.seen, "never saw round 1 finish"
     assert "timed out" in res["missing"]["site-3"]
@@ -80,17 +81,17 @@ def test_straggler_beyond_the_timeout_is_left_out_then_back(fed, tmp_path):
 
 
 def test_site_restarted_mid_job_is_left_out_of_that_job_only(fed, tmp_path):
-    """FedBN, 3 rounds: site-3 is killed and started again in round 2. FLARE does not deploy a running job to
-    a site that restarts, so site-3 stays out of this job (each round waits task_timeout for it); it connects
-    again at once and takes part in the next job."""
+    """FedBN, 2 rounds: site-3 is killed and started again after round 1. FLARE does not deploy a running job
+    to a site that restarts, so site-3 stays out of this job (round 2 waits task_timeout, 60 s, for it); it
+    connects again at once and takes part in the next job."""
 
     def restart(_job_id):
         fed.kill("site-3")
         fed.start_participant("site-3")
 
-    res = submit(job(tmp_path, "fedbn", rounds=3, task_timeout=20), fed.admin_kit(), out=tmp_path / "dl",
+    res = submit(job(tmp_path, "fedbn", rounds=2, task_timeout=60), fed.admin_kit(), out=tmp_path / "dl",
                  progress=on_round(1, restart), poll=0.5)
-    assert rounds_of(res, "site-3") == [0] and rounds_of(res, "site-1") == [0, 1, 2]
+    assert rounds_of(res, "site-3") == [0] and rounds_of(res, "site-1") == [0, 1]
     check_per_site(res, ["site-1", "site-2"], status=("FINISHED:COMPLETED", "FINISHED:ABNORMAL"))
     assert fed.wait_connected(timeout=120) == SITES
     again = submit(job(tmp_path / "next", "fedavg", rounds=1), fed.admin_kit(), out=tmp_path / "dl2",

@@ -201,8 +201,8 @@ def test_per_case_is_an_opt_in_with_pseudonyms_under_a_site_salt(federation, tin
 
 
 def test_an_error_reply_holds_no_absolute_path(federation, tmp_path):
-    fed = federation("local")
-    out, _ = answer("site-1", "train", fed.message(3, {}), None)  # no state before round 3
+    fed = federation("local", resume=True)
+    out, _ = answer("site-1", "train", fed.message(3, {}), None)  # resumed, no state before round 3
     error = out.meta["pflseg_error"]
     assert "no state before round 3 in <state>/local" in error and str(tmp_path) not in error
 
