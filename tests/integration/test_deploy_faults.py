@@ -53,7 +53,7 @@ def test_server_killed_mid_round_then_resumed_gives_the_uninterrupted_models(fed
 
 
 def test_site_dead_for_good_under_the_default_timeout_job_finishes_without_it(fed, tmp_path):
-    """FedBN, 3 rounds, min_clients 2, the default task_timeout (3600 s): site-3 dies in round 2 and never
+    """FedBN, 2 rounds, min_clients 2, the default task_timeout (3600 s): site-3 dies in round 2 and never
     comes back; FLARE's own dead-client detection (the loopback kits' heart_beat_timeout, 60 s; FLARE's
     default is 600 s) ends its tasks long before the task timeout, and the job finishes with the other two."""
     conf = json.loads((fed.kit(fed._server()) / "startup" / "fed_server.json").read_text())
@@ -66,12 +66,12 @@ def test_site_dead_for_good_under_the_default_timeout_job_finishes_without_it(fe
 
     progress = on_round(1, die)
     default = load_job_config("fedbn")["task_timeout"]
-    res = submit(job(tmp_path, "fedbn", rounds=3, task_timeout=default), fed.admin_kit(), out=tmp_path / "dl",
+    res = submit(job(tmp_path, "fedbn", rounds=2, task_timeout=default), fed.admin_kit(), out=tmp_path / "dl",
                  progress=progress, poll=0.5, timeout=900)
     assert "killed" in t, "never saw round 1 finish"
     assert time.time() - t["killed"] < 400  # the dead-client path, not the 3600 s task timeout, ended round 2
     assert res["config"]["task_timeout"] == default == 3600
-    assert [h["round"] for h in res["history"]] == [0, 1, 2]
+    assert [h["round"] for h in res["history"]] == [0, 1]
     assert "site-3" in res["missing"] and sorted(res["test"]) == ["site-1", "site-2"]
     # FLARE may call the job abnormal (a site's job process died); pflseg's results are complete
     check_per_site(res, ["site-1", "site-2"], status=("FINISHED:COMPLETED", "FINISHED:ABNORMAL"))
