@@ -31,4 +31,4 @@ def test_bench_runs_writes_its_tables_and_does_not_run_a_finished_run_again(tmp_
     again = bench(tmp_path)
     assert sim_log.stat().st_mtime_ns == first  # read back, not run again
     assert json.loads((tmp_path / "bench.json").read_text())["inside"] == report["inside"]
-    assert "| Local |" in again
+    assert "| Local |" in again and "local: finished earlier" in again

@@ -132,6 +132,9 @@ class Bench:
     def results(self, seed: int, fold: str, job: str) -> dict:
         return json.loads((self.run_dir(seed, fold, job) / "state" / "server" / job / "results.json").read_text())
 
+    def finished(self, seed: int, fold: str, job: str) -> bool:
+        return (self.run_dir(seed, fold, job) / "state" / "server" / job / "results.json").is_file()
+
     def names(self, seed: int, fold: str, job: str) -> dict[str, str]:
         """FLARE site name -> the data root's site name, for one run."""
         return json.loads((self.run_dir(seed, fold, job) / "sites.json").read_text())
@@ -139,9 +142,8 @@ class Bench:
     def run(self, seed: int, fold: str, job: str) -> dict:
         """One FLARE simulator job (read back when it finished; resumed when it stopped mid-way)."""
         ws = self.run_dir(seed, fold, job)
-        done = ws / "state" / "server" / job / "results.json"
-        if done.is_file():
-            return json.loads(done.read_text())
+        if self.finished(seed, fold, job):
+            return self.results(seed, fold, job)
         clients = self.clients(fold, job)
         over = {**self.overrides, "seed": seed, "rounds": self.rounds, "min_clients": len(clients)}
         if job in AFTER:
@@ -160,19 +162,20 @@ class Bench:
 
     def execute(self) -> dict:
         plan = self.plan()
-        t0, fresh = time.time(), 0
+        fresh: list[float] = []  # seconds of the runs done now (finished ones are read back, not timed)
         for i, (seed, fold, job) in enumerate(plan):
+            done_before = self.finished(seed, fold, job)
             t1 = time.time()
             self.progress(f"[{i + 1}/{len(plan)}] seed {seed}, {fold}: {job} ...")
             res = self.run(seed, fold, job)
-            took = time.time() - t1
-            fresh += took > 1
-            self.timings.append({"seed": seed, "fold": fold, "job": job,
-                                 "seconds": res.get("footprint", {}).get("wall_seconds", took)})
+            if not done_before:
+                fresh.append(time.time() - t1)
+            seconds = res.get("footprint", {}).get("wall_seconds", time.time() - t1)
+            self.timings.append({"seed": seed, "fold": fold, "job": job, "seconds": seconds})
             left = len(plan) - i - 1
-            eta = (time.time() - t0) / max(fresh, 1) * left
-            self.progress(f"[{i + 1}/{len(plan)}] {job}: {res.get('footprint', {}).get('wall_seconds', took):.0f} s; "
-                          f"{left} left, ETA {eta / 60:.0f} min")
+            eta = f"ETA {sum(fresh) / len(fresh) * left / 60:.0f} min" if fresh else "ETA after the first new run"
+            how = f"finished earlier ({seconds:.0f} s), read back" if done_before else f"{seconds:.0f} s"
+            self.progress(f"[{i + 1}/{len(plan)}] {job}: {how}; {left} left, {eta}")
         return self.tables()
 
     # ---- tables ---------------------------------------------------------------------------------
