@@ -25,6 +25,7 @@ def test_bench_runs_writes_its_tables_and_does_not_run_a_finished_run_again(tmp_
     assert "[1/1] seed 0, inside: local" in out and "| Local |" in out
     report = json.loads((tmp_path / "bench.json").read_text())
     assert sorted(report["inside"]["Local"]) == ["site-1", "site-2"]  # site-3 is the outside site
+    assert report["inside_mean"]["Local"]["n"] == 1
     assert (tmp_path / "bench.md").is_file() and (tmp_path / "bench_inside.csv").is_file()
     sim_log = tmp_path / "runs" / "seed0" / "inside" / "local" / "simulator.log"
     first = sim_log.stat().st_mtime_ns

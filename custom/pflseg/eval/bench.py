@@ -75,6 +75,13 @@ def _stats(values: list[float]) -> dict:
     return {"mean": statistics.mean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0, "n": len(values)}
 
 
+def _seed_means(col: dict[str, list[float]]) -> dict:
+    """Mean over the sites of each seed's run, then mean and std of those over seeds (the spread of a
+    method's site mean from seed to seed, not the sites' spread)."""
+    per_seed = [statistics.mean(values) for values in zip(*col.values())]
+    return _stats(per_seed)
+
+
 class Bench:
     """The runs, resumable, and the tables. ``methods``: keys of INSIDE; the outside table has the columns
     of the selected methods found in OUTSIDE."""
@@ -179,7 +186,8 @@ class Bench:
         return self.tables()
 
     # ---- tables ---------------------------------------------------------------------------------
-    def inside_table(self) -> dict:
+    def inside_values(self) -> dict:
+        """label -> site -> test Dice per seed (in seed order)."""
         table: dict = {}
         for m in self.methods:
             for label, job, key in INSIDE[m]:
@@ -190,9 +198,10 @@ class Bench:
                     for sim_site, dice in values.items():
                         if names[sim_site] in self.inside:
                             col.setdefault(names[sim_site], []).append(dice)
-        return {label: {s: _stats(v) for s, v in col.items()} for label, col in table.items()}
+        return table
 
-    def outside_table(self) -> dict:
+    def outside_values(self) -> dict:
+        """label -> held-out site -> Dice per seed (in seed order)."""
         table: dict = {}
         for h in self.holdout:
             fold = self.fold(h)
@@ -200,7 +209,7 @@ class Bench:
                 for label, job, source in OUTSIDE.get(m, []):
                     for seed in self.seeds:
                         table.setdefault(label, {}).setdefault(h, []).append(self.outside_dice(seed, fold, job, source, h))
-        return {label: {h: _stats(v) for h, v in col.items()} for label, col in table.items()}
+        return table
 
     def outside_dice(self, seed: int, fold: str, job: str, source: str, h: str) -> float:
         if source == "global":
@@ -240,9 +249,11 @@ class Bench:
 
     def tables(self) -> dict:
         report = {"data": str(self.root), "inside_sites": self.inside, "holdout": self.holdout, "seeds": self.seeds,
-                  "rounds": self.rounds, "overrides": self.overrides, "inside": self.inside_table(),
-                  "outside": self.outside_table() if self.outside else {}, "curves": self.curves(),
-                  "timings": self.timings}
+                  "rounds": self.rounds, "overrides": self.overrides}
+        for name, values in (("inside", self.inside_values()), ("outside", self.outside_values() if self.outside else {})):
+            report[name] = {label: {site: _stats(v) for site, v in col.items()} for label, col in values.items()}
+            report[f"{name}_mean"] = {label: _seed_means(col) for label, col in values.items() if col}
+        report |= {"curves": self.curves(), "timings": self.timings}
         self.write(report)
         return report
 
@@ -253,8 +264,9 @@ class Bench:
                 w = csv.writer(f)
                 w.writerow(["site", "method", "dice_mean", "dice_std", "n"])
                 for label, col in report[name].items():
-                    for site, st in col.items():
-                        w.writerow([site, label, f"{st['mean']:.4f}", f"{st['std']:.4f}", st["n"]])
+                    for site, st in [*col.items(), ("mean", report[f"{name}_mean"].get(label))]:
+                        if st:
+                            w.writerow([site, label, f"{st['mean']:.4f}", f"{st['std']:.4f}", st["n"]])
         (self.ws / "bench.md").write_text(to_markdown(report) + "\n")
         try:
             plot(report, self.ws)
@@ -262,26 +274,23 @@ class Bench:
             self.progress("matplotlib is not installed: no PNG plots (pip install -e '.[plots]')")
 
 
-def _md_table(table: dict, rows: list[str], title: str) -> str:
+def _md_table(table: dict, mean: dict, rows: list[str], title: str) -> str:
     labels = [label for label in table if table[label]]
     lines = [f"{title}", "", "| site | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
     for site in rows:
         cells = [f"{table[l][site]['mean']:.4f} ± {table[l][site]['std']:.4f}" if site in table[l] else "-" for l in labels]
         lines.append(f"| {site} | " + " | ".join(cells) + " |")
-    means = []
-    for label in labels:
-        vals = [table[label][s]["mean"] for s in rows if s in table[label]]
-        means.append(f"**{statistics.mean(vals):.4f}**" if vals else "-")
-    lines.append("| **mean** | " + " | ".join(means) + " |")
+    cells = [f"**{mean[l]['mean']:.4f} ± {mean[l]['std']:.4f}**" if l in mean else "-" for l in labels]
+    lines.append("| **mean** | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def to_markdown(report: dict) -> str:
     seeds = report["seeds"]
-    parts = [_md_table(report["inside"], report["inside_sites"],
+    parts = [_md_table(report["inside"], report.get("inside_mean", {}), report["inside_sites"],
                        f"Inside: test Dice per site, {report['rounds']} rounds, mean ± std over seeds {seeds}")]
     if report["outside"]:
-        parts += ["", _md_table(report["outside"], report["holdout"],
+        parts += ["", _md_table(report["outside"], report.get("outside_mean", {}), report["holdout"],
                                 f"Outside (leave-one-site-out): Dice over every image of the held-out site, mean ± std over seeds {seeds}")]
     if report["timings"]:
         parts += ["", "| seed | fold | job | seconds |", "|---|---|---|---|"]

@@ -1,5 +1,5 @@
 from pflseg.data import make_synthetic
-from pflseg.eval.bench import Bench, to_markdown
+from pflseg.eval.bench import Bench, _seed_means, to_markdown
 from pflseg.eval.tables import route_table
 
 
@@ -17,11 +17,18 @@ def test_plan_runs_each_job_once_and_training_before_post_training(tmp_path):
     assert every.trained_on("without-site-2") == ["site-1", "site-3", "site-4"]
 
 
+def test_the_mean_row_spreads_over_seeds_not_over_sites():
+    # seed 0 scores 0.2 and 0.6 at the two sites, seed 1 0.4 and 0.8: site means 0.4 and 0.6 per seed
+    mean = _seed_means({"site-1": [0.2, 0.4], "site-2": [0.6, 0.8]})
+    assert abs(mean["mean"] - 0.5) < 1e-12 and abs(mean["std"] - 0.02**0.5) < 1e-12 and mean["n"] == 2
+
+
 def test_tables():
     stat = {"mean": 0.5, "std": 0.1, "n": 2}
     report = {"seeds": [0, 1], "rounds": 3, "inside_sites": ["site-1"], "holdout": ["site-2"], "timings": [],
-              "inside": {"FedAvg": {"site-1": stat}}, "outside": {"FedAvg": {"site-2": stat}, "IOP-FL routing": {"site-2": stat}}}
+              "inside": {"FedAvg": {"site-1": stat}}, "inside_mean": {"FedAvg": {"mean": 0.5, "std": 0.02, "n": 2}},
+              "outside": {"FedAvg": {"site-2": stat}, "IOP-FL routing": {"site-2": stat}}}
     md = to_markdown(report)
-    assert "| site-2 | 0.5000 ± 0.1000 | 0.5000 ± 0.1000 |" in md and "| **mean** | **0.5000** |" in md
+    assert "| site-2 | 0.5000 ± 0.1000 | 0.5000 ± 0.1000 |" in md and "| **mean** | **0.5000 ± 0.0200** |" in md
     route = {"route": {"site-3": {"methods": {"global": {"dice": 0.25}, "routing": {"dice": None}}, "seconds_per_sample": 0.5}}}
     assert route_table(route).splitlines()[-1].startswith("| site-3 |")
