@@ -23,7 +23,6 @@ from __future__ import annotations
 import csv
 import json
 import statistics
-import time
 from pathlib import Path
 
 from torch.utils.data import ConcatDataset
@@ -31,6 +30,7 @@ from torch.utils.data import ConcatDataset
 from pflseg.data import DataError, load_dataset_info, make_synthetic, site_dataset
 from pflseg.deploy.data_sites import site_view
 from pflseg.deploy.simulator import run_simulator
+from pflseg.eval.progress import RunProgress
 from pflseg.flare.jobs import export_job
 from pflseg.flare.state import RoundStore, unprefixed
 from pflseg.nets import build_net
@@ -75,11 +75,13 @@ def _stats(values: list[float]) -> dict:
     return {"mean": statistics.mean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0, "n": len(values)}
 
 
-def _seed_means(col: dict[str, list[float]]) -> dict:
+def _seed_means(col: dict[str, list[float]]) -> dict | None:
     """Mean over the sites of each seed's run, then mean and std of those over seeds (the spread of a
-    method's site mean from seed to seed, not the sites' spread)."""
-    per_seed = [statistics.mean(values) for values in zip(*col.values())]
-    return _stats(per_seed)
+    method's site mean from seed to seed, not the sites' spread). None (a "-" in the tables) when some
+    site lacks a seed's value: a site mean over fewer sites is not comparable."""
+    if len({len(values) for values in col.values()}) != 1:
+        return None
+    return _stats([statistics.mean(values) for values in zip(*col.values())])
 
 
 class Bench:
@@ -169,20 +171,16 @@ class Bench:
 
     def execute(self) -> dict:
         plan = self.plan()
-        fresh: list[float] = []  # seconds of the runs done now (finished ones are read back, not timed)
-        for i, (seed, fold, job) in enumerate(plan):
+        steps = RunProgress(len(plan), self.progress)
+        for seed, fold, job in plan:
             done_before = self.finished(seed, fold, job)
-            t1 = time.time()
-            self.progress(f"[{i + 1}/{len(plan)}] seed {seed}, {fold}: {job} ...")
+            steps.start(f"seed {seed}, {fold}: {job}")
             res = self.run(seed, fold, job)
-            if not done_before:
-                fresh.append(time.time() - t1)
-            seconds = res.get("footprint", {}).get("wall_seconds", time.time() - t1)
+            took = steps.done(timed=not done_before)
+            seconds = res.get("footprint", {}).get("wall_seconds", took)
             self.timings.append({"seed": seed, "fold": fold, "job": job, "seconds": seconds})
-            left = len(plan) - i - 1
-            eta = f"ETA {sum(fresh) / len(fresh) * left / 60:.0f} min" if fresh else "ETA after the first new run"
             how = f"finished earlier ({seconds:.0f} s), read back" if done_before else f"{seconds:.0f} s"
-            self.progress(f"[{i + 1}/{len(plan)}] {job}: {how}; {left} left, {eta}")
+            self.progress(f"[{steps.finished}/{len(plan)}] {job}: {how}; {len(plan) - steps.finished} left")
         return self.tables()
 
     # ---- tables ---------------------------------------------------------------------------------
@@ -252,7 +250,7 @@ class Bench:
                   "rounds": self.rounds, "overrides": self.overrides}
         for name, values in (("inside", self.inside_values()), ("outside", self.outside_values() if self.outside else {})):
             report[name] = {label: {site: _stats(v) for site, v in col.items()} for label, col in values.items()}
-            report[f"{name}_mean"] = {label: _seed_means(col) for label, col in values.items() if col}
+            report[f"{name}_mean"] = {label: m for label, col in values.items() if col and (m := _seed_means(col))}
         report |= {"curves": self.curves(), "timings": self.timings}
         self.write(report)
         return report

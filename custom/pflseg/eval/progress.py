@@ -6,7 +6,8 @@ import time
 
 
 class RunProgress:
-    """Counts jobs and prints a line as each one starts, with an ETA from the mean time of the jobs done.
+    """Counts jobs and prints a line as each one starts, with an ETA from the mean time of the jobs run so far
+    (a job read back from an earlier invocation counts as done but not in the mean).
 
     Args:
         total: Jobs the protocol runs.
@@ -25,28 +26,32 @@ class RunProgress:
     def __init__(self, total: int, progress=print, clock=time.monotonic):
         self.total, self.progress, self.clock = total, progress, clock
         self.durations: list[float] = []
+        self.finished = 0
         self._t0: float | None = None
 
     def eta_seconds(self) -> float | None:
-        """Time left for the jobs not yet done (the one running included), None before the first is done."""
+        """Time left for the jobs not yet done (the one running included), None before the first is run."""
         if not self.durations:
             return None
         mean = sum(self.durations) / len(self.durations)
-        return mean * (self.total - len(self.durations))
+        return mean * (self.total - self.finished)
 
     def start(self, name: str) -> str:
         self._t0 = self.clock()
         eta = self.eta_seconds()
-        line = f"[{len(self.durations) + 1}/{self.total}] {name} ..."
+        line = f"[{self.finished + 1}/{self.total}] {name} ..."
         if eta is not None:
             line += f" ETA {_minutes(eta)}"
         self.progress(line)
         return line
 
-    def done(self) -> float:
-        """Marks the running job done; returns its seconds."""
+    def done(self, timed: bool = True) -> float:
+        """Marks the running job done; returns its seconds. ``timed=False``: it was read back, not run, and
+        stays out of the ETA's mean."""
         seconds = self.clock() - self._t0
-        self.durations.append(seconds)
+        self.finished += 1
+        if timed:
+            self.durations.append(seconds)
         return seconds
 
 

@@ -21,6 +21,7 @@ def test_the_mean_row_spreads_over_seeds_not_over_sites():
     # seed 0 scores 0.2 and 0.6 at the two sites, seed 1 0.4 and 0.8: site means 0.4 and 0.6 per seed
     mean = _seed_means({"site-1": [0.2, 0.4], "site-2": [0.6, 0.8]})
     assert abs(mean["mean"] - 0.5) < 1e-12 and abs(mean["std"] - 0.02**0.5) < 1e-12 and mean["n"] == 2
+    assert _seed_means({"site-1": [0.2, 0.4], "site-2": [0.6]}) is None  # a site without seed 1: no mean, not a wrong one
 
 
 def test_tables():
