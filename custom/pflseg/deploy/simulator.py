@@ -32,6 +32,7 @@ from pflseg.config import load_job_config
 from pflseg.data.datalist import DATALIST_JSON
 from pflseg.flare.allowlist import add_to_resources
 from pflseg.flare.jobs import build_job, in_script_dir
+from pflseg.flare.methods import METHOD_SECTIONS, METHODS
 from pflseg.flare.state import RoundStore, write_text
 
 try:
@@ -496,6 +497,12 @@ def move_aside(workspace: str | Path) -> Path:
 def _comparable(record: dict) -> dict:
     """The part of a record that decides identity (no root path, times, command or hash)."""
     out = {k: json.loads(json.dumps(record[k])) for k in ("config", "data", "sites", "inputs") if k in record}
+    cfg = out.get("config")
+    if isinstance(cfg, dict):  # another method's section does not change what this run is
+        entry = METHODS.get(cfg.get("method"))
+        own = set(entry.sections) if entry else METHOD_SECTIONS
+        for section in METHOD_SECTIONS - own:
+            cfg.pop(section, None)
     if isinstance(out.get("data"), dict):
         out["data"].pop("root", None)
     return out

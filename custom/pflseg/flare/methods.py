@@ -35,23 +35,30 @@ from pflseg.flare.sites.local import LocalSite
 class Method(NamedTuple):
     controller: type
     site: type[Site]
+    #: the method's own config sections (defaults.yaml) that its controller and sites read; a run's identity
+    #: (run.json) ignores every OTHER method's section, so a new key of one method does not void other runs
+    sections: tuple[str, ...] = ()
 
 
 METHODS: dict[str, Method] = {
     "local": Method(LocalController, LocalSite),
     "fedavg": Method(FedAvgController, FedAvgSite),
-    "fedprox": Method(FedAvgController, FedProxSite),
+    "fedprox": Method(FedAvgController, FedProxSite, ("fedprox",)),
     "fedbn": Method(FedBNController, FedBNSite),
     "centralized": Method(CentralizedController, CentralizedSite),
-    "ft": Method(FTController, FTSite),
-    "fedsm": Method(FedSMController, FedSMSite),
-    "fedsm_infer": Method(FedSMInferenceController, FedSMInferenceSite),
-    "grace": Method(GraceController, GraceSite),
-    "iopfl": Method(IOPFLController, IOPFLSite),
-    "iopfl_route": Method(IOPFLRoutingController, IOPFLRoutingSite),
-    "lcfed": Method(LCFedController, LCFedSite),
-    "fedrep": Method(FedRepController, FedRepSite),
+    "ft": Method(FTController, FTSite, ("ft",)),
+    "fedsm": Method(FedSMController, FedSMSite, ("fedsm",)),
+    "fedsm_infer": Method(FedSMInferenceController, FedSMInferenceSite, ("fedsm",)),
+    "grace": Method(GraceController, GraceSite, ("grace",)),
+    "iopfl": Method(IOPFLController, IOPFLSite, ("iopfl",)),
+    "iopfl_route": Method(IOPFLRoutingController, IOPFLRoutingSite, ("iopfl",)),
+    "lcfed": Method(LCFedController, LCFedSite, ("lcfed",)),
+    "fedrep": Method(FedRepController, FedRepSite, ("lcfed",)),
 }
+
+
+#: config sections owned by some method (the rest: common to every run)
+METHOD_SECTIONS = frozenset(s for entry in METHODS.values() for s in entry.sections)
 
 
 def method(cfg: dict) -> Method:

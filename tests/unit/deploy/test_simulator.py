@@ -84,6 +84,16 @@ def test_the_record_holds_config_data_and_sites_and_names_what_differs(tmp_path)
     assert 'sites: ["site-1", "site-2"] -> ["site-1", "site-3"]' in differences(one, run_record(cfg, root, ["site-1", "site-3"]))
 
 
+def test_another_methods_section_does_not_change_a_run_but_its_own_does():
+    fedavg, iopfl = load_job_config("fedavg"), load_job_config("iopfl")
+    for cfg in (fedavg, iopfl):
+        cfg["iopfl"]["lr"], cfg["grace"]["beta"] = 0.5, 7.0  # an iopfl key and another method's key change
+    assert differences(run_record(load_job_config("fedavg")), run_record(fedavg)) == []
+    assert differences(run_record(load_job_config("iopfl")), run_record(iopfl)) == ["iopfl.lr: 0.001 -> 0.5"]
+    route = load_job_config("iopfl_route")
+    assert run_record(route)["sha256"] != run_record({**route, "iopfl": {**route["iopfl"], "lr": 0.5}})["sha256"]
+
+
 def test_judge_reads_back_resumes_or_keeps_aside(tmp_path):
     ws, job = tmp_path / "runs" / "fedavg", "fedavg"
     record = run_record(load_job_config(job), None, ["site-1", "site-2"])
