@@ -228,9 +228,9 @@ def _run_overrides(args, workspace: Path) -> dict:
 
 
 def _demo(args) -> int:
-    from pflseg.eval.demo import run_demo
+    from pflseg.eval.demo import ROUNDS, run_demo
 
-    print(run_demo(args.workspace, sites=args.sites, rounds=args.rounds, threads=args.threads))
+    print(run_demo(args.workspace, rounds=args.rounds or ROUNDS, threads=args.threads))
     return 0
 
 
@@ -370,11 +370,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. train.lr=0.0005")
     r.set_defaults(func=_run)
 
-    m = sub.add_parser("demo", help="synthetic data: FedAvg and the personalized methods on inside sites, IOP-FL "
-                                    "routing at an outside site; tables and pictures")
+    m = sub.add_parser("demo", help="the bench's synthetic sites scaled down (preset demo): FedAvg and the personalized "
+                                    "methods on 3 inside sites, IOP-FL routing and FedSM at an outside site; tables "
+                                    "with paired differences, sentences, pictures")
     m.add_argument("--workspace", default="demo")
-    m.add_argument("--sites", type=int, default=3, help="inside sites (one more, outside, never trains)")
-    m.add_argument("--rounds", type=int, default=8)
+    m.add_argument("--rounds", type=int, default=None, help="rounds of every job (default: pflseg.eval.demo.ROUNDS)")
     m.add_argument("--threads", type=int)
     m.set_defaults(func=_demo)
 

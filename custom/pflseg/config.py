@@ -166,6 +166,9 @@ def validate(cfg: Mapping, source: str = "config") -> None:
                           "epoch mode takes exactly one full-batch step per round, on the server, on the pooled gradient")
     if any(not 0.0 <= g <= 1.0 for g in fedsm["gammas"]):
         raise ConfigError(f"{source}: every fedsm.gammas value must lie in [0, 1], got {fedsm['gammas']}")
+    if not 0.0 < fedsm["familiar_quantile"] <= 1.0:
+        raise ConfigError(f"{source}: fedsm.familiar_quantile must lie in (0, 1] (1 = the largest inside validation "
+                          f"distance), got {fedsm['familiar_quantile']}")
     grace = cfg["grace"]
     choices = {"similarity": ("total", "split", "reweight"), "self_similarity": ("include", "exclude"),
                "align": ("coral", "mmd", "adv"), "inner_step": ("adam", "sgd")}
@@ -187,6 +190,14 @@ def validate(cfg: Mapping, source: str = "config") -> None:
             isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0 for x in grid)):
         raise ConfigError(f"{source}: iopfl.lr_grid must be null or a list of at most 8 positive learning rates "
                           f"([] = iopfl.lr), got {grid!r}")
+    guard = iopfl["lr_guard"]  # null = the router variant's own; 0 = no collapse guard
+    if guard is not None and (isinstance(guard, bool) or not isinstance(guard, (int, float)) or not 0 <= guard <= 10):
+        raise ConfigError(f"{source}: iopfl.lr_guard must be null or a relative tolerance in [0, 10] (0 = no collapse "
+                          f"guard), got {guard!r}")
+    comparators = iopfl["comparators"]
+    if not isinstance(comparators, bool) and not (isinstance(comparators, list) and all(isinstance(m, str) for m in comparators)):
+        raise ConfigError(f"{source}: iopfl.comparators must be true, false or a list of method names (e.g. "
+                          f"[global, global_bn, tent]), got {comparators!r}")
     if isinstance(iopfl["lr"], bool) or not iopfl["lr"] >= 0:
         raise ConfigError(f"{source}: iopfl.lr must be >= 0, got {iopfl['lr']!r}")
     if not 0.0 <= iopfl["tau"] <= 1.0:

@@ -1,7 +1,7 @@
 """A provisioned 3-site federation on loopback, started once for the module: jobs submitted through the
-FLARE API in package mode (FedAvg, FedBN) and BYOC mode, refusals (a user without the right, a client from
-another project), a straggler beyond the task timeout, a site restarted mid-job, and a shutdown that leaves no
-process behind. Tests run in file order on the one federation. The server SIGKILLed mid-round and a site dead
+FLARE API in package mode (FedAvg, FedBN), refusals (a lead's BYOC job, a shell command at another
+organisation's site, a user without the right, a client from another project), a straggler beyond the task
+timeout, a site restarted mid-job, and a shutdown that leaves no process behind. Tests run in file order on the one federation. The server SIGKILLed mid-round and a site dead
 for good: test_deploy_faults.py (its own federation)."""
 
 import signal
@@ -30,13 +30,43 @@ def test_package_mode_fedavg(fed, tmp_path):
     assert all(0.0 <= res["test"][s]["global"]["dice"] <= 1.0 for s in SITES)
 
 
-def test_byoc_mode_runs_the_code_the_job_carries(fed, tmp_path):
+def test_a_leads_byoc_job_is_refused(fed, tmp_path):
+    """Issue 23 item 1: under FLARE's default policy (before) the lead of hospital_1 ran the code its job carries at
+    every hospital; pflseg's policy (PflsegBuilder) grants BYOC to no one: the job never reaches a site."""
     folder = job(tmp_path, "fedavg", mode="byoc", rounds=1)
     assert (folder / "app" / "custom" / "pflseg" / "flare" / "client.py").is_file()
-    res = submit(folder, fed.admin_kit("lead@hospital1.org"), out=tmp_path / "dl", progress=lambda m: None, poll=0.5)
-    check_per_site(res, SITES)
-    site_log = (fed.kit("site-1") / res["job_id"] / "log.txt").read_text()
-    assert f"pflseg from {fed.kit('site-1') / res['job_id'] / 'app_site-1' / 'custom' / 'pflseg'}" in site_log
+    sess = fed.session("lead@hospital1.org")
+    try:
+        job_id = sess.submit_job(str(folder))  # submitting is the lead's right; running custom code is not
+        deadline = time.time() + 120
+        while (meta := sess.get_job_meta(job_id))["status"] in ("SUBMITTED", "DISPATCHED") and time.time() < deadline:
+            time.sleep(1)
+    finally:
+        sess.close()
+    assert meta["status"] == "FINISHED:FAILED_TO_RUN", meta
+    assert "BYOC not permitted" in str(meta.get("job_deploy_detail")), meta
+    assert not [s for s in SITES if (fed.kit(s) / job_id).exists()]  # no site received the job's code
+
+
+def _shell(sess, target) -> str:
+    try:
+        return str(sess.ls_target(target))
+    except Exception as exc:  # FLARE's API may raise on a refused command
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_shell_commands_only_at_the_users_own_organisation(fed):
+    """Issue 23 item 1: FLARE's default gave project_admin shell commands (ls, cat, grep, ...) at every hospital
+    and lead at its own; now a user runs them only at sites of its own organisation."""
+    lead, admin = fed.session("lead@hospital1.org"), fed.session()
+    try:
+        own, other, by_admin = _shell(lead, "site-1"), _shell(lead, "site-2"), _shell(admin, "site-3")
+    finally:
+        lead.close()
+        admin.close()
+    assert "startup" in own, own  # hospital_1's lead at hospital_1's site
+    for refused in (other, by_admin):
+        assert "startup" not in refused and "not authorized" in refused.lower(), refused
 
 
 def test_user_without_submit_right_is_refused(fed, tmp_path):

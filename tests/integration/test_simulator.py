@@ -172,8 +172,9 @@ def test_missing_data_location_fails_with_a_clear_message(tmp_path, monkeypatch)
     log = (tmp_path / "sim" / "server" / "log.txt").read_text()  # what the site sent: no absolute path
     assert "site-1: data location .../nowhere" in log and "does not exist" in log
     assert not [line for line in log.splitlines() if "left out of this round" in line and str(tmp_path) in line]
-    site_log = (tmp_path / "sim" / "site-1" / "log.txt").read_text()  # the site's own log: the whole path
+    site_log = (tmp_path / "state" / "site-1" / "site_errors.log").read_text()  # the site-local log: the whole path
     assert f"data location {tmp_path / 'nowhere'}" in site_log
+    assert "detail in the site's <state>/site_errors.log" in log
 
 
 def test_python_job_py_route_with_simenv(tmp_path):

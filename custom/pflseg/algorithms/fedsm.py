@@ -414,6 +414,15 @@ def lda_head(stats: Mapping[str, torch.Tensor], shrinkage: float) -> tuple[torch
     Returns:
         ``(weight (C, D), bias (C,))`` float32, the ``nn.Linear`` that maps features to the class logits.
     """
+    mu, scatter, present = _means_and_shrunk_covariance(stats, shrinkage)
+    weight = torch.linalg.solve(scatter, mu.T).T
+    bias = -0.5 * (weight * mu).sum(1)
+    weight[~present], bias[~present] = 0.0, ABSENT_CLASS_BIAS
+    return weight.float(), bias.float()
+
+
+def _means_and_shrunk_covariance(stats: Mapping[str, torch.Tensor], shrinkage: float):
+    """``(mu (C, D), S (D, D), present (C,))`` of ``lda_head``, float64; mu_c = 0 for an absent class."""
     if not 0.0 < shrinkage <= 1.0:
         raise ValueError(f"shrinkage must lie in (0, 1], got {shrinkage}")
     gram, sums, count = (stats[k].to(torch.float64) for k in ("gram", "sum", "count"))
@@ -425,10 +434,57 @@ def lda_head(stats: Mapping[str, torch.Tensor], shrinkage: float) -> tuple[torch
     mu[present] = sums[present] / count[present, None]
     scatter = (gram - (mu[present].T * count[present]) @ mu[present]) / count.sum()
     scatter = (1.0 - shrinkage) * scatter + shrinkage * (torch.trace(scatter) / d) * torch.eye(d, dtype=scatter.dtype)
-    weight = torch.linalg.solve(scatter, mu.T).T
-    bias = -0.5 * (weight * mu).sum(1)
-    weight[~present], bias[~present] = 0.0, ABSENT_CLASS_BIAS
-    return weight.float(), bias.float()
+    return mu, scatter, present
+
+
+# ---------------------------------------------------------------------------------------------------
+# Familiarity: Mahalanobis distance to the nearest class of the LDA model (outside sites)
+# ---------------------------------------------------------------------------------------------------
+
+
+def lda_gaussians(stats: Mapping[str, torch.Tensor], shrinkage: float) -> dict[str, torch.Tensor]:
+    """The Gaussian model behind ``lda_head``: the present classes' means and the shrunk shared precision.
+
+    Same pooled statistics and same shrinkage as ``lda_head`` (mu_c = sum_c / n_c; S = (gram - sum_c n_c mu_c
+    mu_c^T) / N, S <- (1 - a) S + a tr(S) / D I), so the distance below is measured in the geometry the
+    selector's head was fitted in.
+
+    Args:
+        stats: pooled ``class_statistics`` (``add_statistics`` of every site), float64 preferred.
+        shrinkage: a in (0, 1] (``fedsm.lda_shrinkage``).
+
+    Returns:
+        ``{"mean": (C', D) means of the C' classes with n_c > 0, "precision": (D, D) S^-1 (symmetric)}``,
+        float64.
+
+    Raises:
+        ValueError: naming ``shrinkage`` out of (0, 1], or ``stats`` without any sample.
+    """
+    mu, scatter, present = _means_and_shrunk_covariance(stats, shrinkage)
+    precision = torch.linalg.inv(scatter)
+    return {"mean": mu[present].contiguous(), "precision": (0.5 * (precision + precision.T)).contiguous()}
+
+
+def min_mahalanobis(features: torch.Tensor, mean: torch.Tensor, precision: torch.Tensor) -> torch.Tensor:
+    """Squared Mahalanobis distance of each feature to the NEAREST class mean (d2_min; Lee et al., NeurIPS 2018):
+    min_c (phi - mu_c)^T P (phi - mu_c). Large = unlike every class the selector was fitted on (an image the
+    selector's posterior says nothing reliable about).
+
+    Args:
+        features: (N, D) selector features (``Selector.embed``).
+        mean: (C, D) class means, C >= 1; precision: (D, D) shared precision (``lda_gaussians``).
+
+    Returns:
+        float64 (N,) on the CPU, each >= 0 (up to rounding) when ``precision`` is positive definite.
+    """
+    if features.ndim != 2 or mean.ndim != 2 or mean.shape[0] < 1 or features.shape[1] != mean.shape[1] \
+            or precision.shape != (mean.shape[1], mean.shape[1]):
+        raise ValueError(f"features (N, D), mean (C >= 1, D) and precision (D, D) must agree, got {tuple(features.shape)}, "
+                         f"{tuple(mean.shape)} and {tuple(precision.shape)}")
+    phi = features.detach().to(torch.float64).cpu()
+    diff = phi[:, None, :] - mean.to(torch.float64).cpu()[None]  # (N, C, D)
+    d2 = torch.einsum("ncd,de,nce->nc", diff, precision.to(torch.float64).cpu(), diff)
+    return d2.min(dim=1).values
 
 
 # ---------------------------------------------------------------------------------------------------

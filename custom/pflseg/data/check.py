@@ -66,19 +66,21 @@ def _check_site(root: Path, site: str, n_classes: int, in_channels: int) -> list
     site_dir = root / site
     if not site_dir.is_dir():
         return [Problem(site, str(site_dir), "site listed in dataset.json has no folder",
-                        "restore the site folder or remove the site from dataset.json")]
+                        "restore the site folder or remove the site from dataset.json", "site_folder_missing")]
     if not (site_dir / DATALIST_JSON).is_file():
         return [Problem(site, str(site_dir / DATALIST_JSON), "empty site: no datalist.json",
-                        "index the site's data (pflseg data index) or remove the site from dataset.json")]
+                        "index the site's data (pflseg data index) or remove the site from dataset.json",
+                        "datalist_missing")]
     try:
         datalist = read_datalist(root, site)
     except DataError as err:
         return [Problem(site, str(site_dir / DATALIST_JSON), str(err).split(": ", 1)[-1].split(". Fix")[0],
-                        "regenerate the datalist")]
+                        "regenerate the datalist", "datalist_invalid")]
     problems = []
     if not datalist.get("training"):
         problems.append(Problem(site, str(site_dir / DATALIST_JSON), "empty site: no training entries",
-                                "add training cases for this site or remove it from dataset.json"))
+                                "add training cases for this site or remove it from dataset.json",
+                                "empty_site"))
     case_split: dict[str, str] = {}
     for split in SPLITS:
         for k, entry in enumerate(datalist.get(split, [])):
@@ -87,7 +89,8 @@ def _check_site(root: Path, site: str, n_classes: int, in_channels: int) -> list
             if case and case_split.setdefault(case, split) != split:
                 problems.append(Problem(site, str(site_dir / DATALIST_JSON),
                                         f"case {case!r} is in both {case_split[case]} and {split}",
-                                        "split by case: keep every slice of a case in one split"))
+                                        "split by case: keep every slice of a case in one split",
+                                        "case_in_two_splits", case))
     return problems
 
 
@@ -96,11 +99,12 @@ def _check_entry(site, site_dir, split, k, entry, n_classes, in_channels) -> lis
     where = str(site_dir / DATALIST_JSON)
     if not isinstance(entry, dict) or "image" not in entry or "case" not in entry:
         return [Problem(site, where, f"{split}[{k}] needs 'image' and 'case' keys, got {entry!r}",
-                        "regenerate the datalist")]
+                        "regenerate the datalist", "datalist_entry_invalid",
+                        str(entry.get("case", "")) if isinstance(entry, dict) else "")]
     image_path = resolve(site_dir, entry["image"])
     if not image_path.is_file():
         return [Problem(site, str(image_path), f"image listed in {split} does not exist",
-                        "restore the file or regenerate the datalist")]
+                        "restore the file or regenerate the datalist", "image_missing")]
     problems = []
     try:
         image, image_spacing = read_array(image_path)
@@ -110,16 +114,18 @@ def _check_entry(site, site_dir, split, k, entry, n_classes, in_channels) -> lis
     if image is not None and n_channels(image, is_nifti(image_path)) != in_channels:
         problems.append(Problem(site, str(image_path),
                                 f"image has {n_channels(image, is_nifti(image_path))} channel(s), dataset.json says "
-                                f"in_channels={in_channels}", "convert the image or fix in_channels in dataset.json"))
+                                f"in_channels={in_channels}", "convert the image or fix in_channels in dataset.json",
+                                "channel_count"))
     if "label" not in entry:
         if split != "testing":
             problems.append(Problem(site, str(image_path), f"{split} entry has no mask ('label' key)",
-                                    "add the mask path to the entry (only testing entries may be unlabeled)"))
+                                    "add the mask path to the entry (only testing entries may be unlabeled)",
+                                    "mask_not_listed"))
         return problems
     label_path = resolve(site_dir, entry["label"])
     if not label_path.is_file():
         problems.append(Problem(site, str(label_path), f"mask of image {image_path} does not exist",
-                                "restore the mask file or regenerate the datalist"))
+                                "restore the mask file or regenerate the datalist", "mask_missing"))
         return problems
     try:
         label, label_spacing = read_array(label_path, mask=True)
@@ -130,7 +136,7 @@ def _check_entry(site, site_dir, split, k, entry, n_classes, in_channels) -> lis
     threshold = entry.get("label_threshold")
     if not nifti and label.ndim == 3 and threshold is None and not (label == label[..., :1]).all():
         problems.append(Problem(site, str(label_path), "colour mask with differing channels",
-                                "save the mask as a single-channel (grayscale) image"))
+                                "save the mask as a single-channel (grayscale) image", "colour_mask"))
     label_values = mask_plane(label, nifti)
     problem = label_problem(site, label_path, label_values, entry.get("label_map"), n_classes, threshold)
     if problem is not None:

@@ -183,6 +183,12 @@ _INFO_TYPES = {"name": str, "task": str, "classes": list, "label_encoding": str,
 _OPTIONAL_INFO_TYPES = {"train_size": int, "site_profiles": dict}
 
 
+def _problem(path: Path, what: str, fix: str, code: str = "dataset_json_invalid"):
+    from pflseg.data.errors import Problem
+
+    return Problem("", str(path), what, fix, code)
+
+
 def read_dataset_info(root: str | Path) -> tuple[dict | None, list]:
     """Reads and validates ``<root>/dataset.json``.
 
@@ -190,43 +196,42 @@ def read_dataset_info(root: str | Path) -> tuple[dict | None, list]:
         ``(info, problems)``: info is None when the file is missing or invalid, and problems is a
         list of :class:`~pflseg.data.errors.Problem` saying why.
     """
-    from pflseg.data.errors import Problem
-
     path = Path(root) / DATASET_JSON
     fix = "regenerate it with `pflseg data index` / make_synthetic, or write it by hand (see pflseg.data.datalist)"
     if not path.is_file():
-        return None, [Problem("", str(path), "dataset.json not found", f"{fix}; check that the data root is right")]
+        return None, [_problem(path, "dataset.json not found", f"{fix}; check that the data root is right",
+                               "dataset_json_missing")]
     try:
         info = json.loads(path.read_text())
     except (OSError, ValueError) as err:
-        return None, [Problem("", str(path), f"not valid JSON ({err})", fix)]
+        return None, [_problem(path, f"not valid JSON ({err})", fix)]
     if not isinstance(info, dict):
-        return None, [Problem("", str(path), "expected a JSON object", fix)]
+        return None, [_problem(path, "expected a JSON object", fix)]
     problems = []
     for key, kind in _INFO_TYPES.items():
         if key not in info:
-            problems.append(Problem("", str(path), f"missing key {key!r}", fix))
+            problems.append(_problem(path, f"missing key {key!r}", fix))
         elif not isinstance(info[key], kind) or (kind is int and isinstance(info[key], bool)):
-            problems.append(Problem("", str(path), f"{key!r} must be a {kind.__name__}, got {info[key]!r}", fix))
+            problems.append(_problem(path, f"{key!r} must be a {kind.__name__}, got {info[key]!r}", fix))
     if not problems:
         if info["label_encoding"] not in ENCODINGS:
-            problems.append(Problem("", str(path), f"label_encoding {info['label_encoding']!r} is not one of {ENCODINGS}", fix))
+            problems.append(_problem(path, f"label_encoding {info['label_encoding']!r} is not one of {ENCODINGS}", fix))
         if not info["classes"] or not all(isinstance(c, str) for c in info["classes"]):
-            problems.append(Problem("", str(path), f"classes must be a non-empty list of names, got {info['classes']!r}", fix))
+            problems.append(_problem(path, f"classes must be a non-empty list of names, got {info['classes']!r}", fix))
         if not info["sites"] or not all(isinstance(s, str) and s for s in info["sites"]):
-            problems.append(Problem("", str(path), f"sites must be a non-empty list of names, got {info['sites']!r}", fix))
+            problems.append(_problem(path, f"sites must be a non-empty list of names, got {info['sites']!r}", fix))
         if info["in_channels"] < 1:
-            problems.append(Problem("", str(path), f"in_channels must be >= 1, got {info['in_channels']}", fix))
+            problems.append(_problem(path, f"in_channels must be >= 1, got {info['in_channels']}", fix))
     value = info.get("train_size", MIN_TRAIN_SIZE)
     if not isinstance(value, int) or isinstance(value, bool) or value < MIN_TRAIN_SIZE:
-        problems.append(Problem("", str(path), f"'train_size' must be an integer >= {MIN_TRAIN_SIZE}, got {value!r}",
+        problems.append(_problem(path, f"'train_size' must be an integer >= {MIN_TRAIN_SIZE}, got {value!r}",
                                 fix))
     profiles = info.get("site_profiles", {})
     if not isinstance(profiles, dict) or not all(isinstance(v, dict) for v in profiles.values()):
-        problems.append(Problem("", str(path), f"'site_profiles' must map site names to objects, got {profiles!r:.80}",
+        problems.append(_problem(path, f"'site_profiles' must map site names to objects, got {profiles!r:.80}",
                                 fix))
     known = list(_INFO_TYPES) + list(_OPTIONAL_INFO_TYPES)
     unknown = sorted(set(info) - set(known))
     if unknown:
-        problems.append(Problem("", str(path), f"unknown key(s) {unknown}", f"remove them; known keys are {known}"))
+        problems.append(_problem(path, f"unknown key(s) {unknown}", f"remove them; known keys are {known}"))
     return (None if problems else info), problems

@@ -225,7 +225,8 @@ class SliceDataset(torch.utils.data.Dataset):
         if image.shape[0] != self.info["in_channels"]:
             raise Problem(self.site, str(image_path),
                           f"image has {image.shape[0]} channel(s), dataset.json says in_channels="
-                          f"{self.info['in_channels']}", "convert the image or fix in_channels in dataset.json").error()
+                          f"{self.info['in_channels']}", "convert the image or fix in_channels in dataset.json",
+                          "channel_count").error()
         if label_path is not None:
             label = self._read(label_path, "label")[:1]
             if label.shape[1:] != image.shape[1:]:

@@ -12,7 +12,16 @@ from pathlib import Path
 
 
 class DataError(Exception):
-    """A dataset, datalist or image cannot be used; the message names the path and the fix."""
+    """A dataset, datalist or image cannot be used; the message names the path and the fix.
+
+    Attributes:
+        problems: the :class:`Problem` objects behind the message (empty when it was raised as plain text);
+            a site sends their codes and pseudonyms instead of the message (``pflseg.flare.privacy.public_error``).
+    """
+
+    def __init__(self, message: str = "", problems=()):
+        super().__init__(message)
+        self.problems = list(problems)
 
 
 @dataclass(frozen=True)
@@ -24,12 +33,16 @@ class Problem:
         file: The offending file or folder.
         problem: What is wrong.
         fix: What to do about it.
+        code: A short name of the kind of problem (what a site may send about it, with a pseudonym).
+        case: The case id the problem is about ("" when it is about ``file``).
     """
 
     site: str
     file: str
     problem: str
     fix: str
+    code: str = "data_problem"
+    case: str = ""
 
     def __str__(self) -> str:
         where = f"[{self.site}] " if self.site else ""
@@ -37,13 +50,13 @@ class Problem:
 
     def error(self) -> DataError:
         """Returns this problem as a :class:`DataError` ready to raise."""
-        return DataError(str(self))
+        return DataError(str(self), [self])
 
 
 def problems_error(problems: list[Problem], root: str | Path) -> DataError:
     """Builds one :class:`DataError` listing every problem, one per line."""
     lines = "\n".join(f"  - {p}" for p in problems)
-    return DataError(f"{len(problems)} problem(s) in dataset {root}:\n{lines}")
+    return DataError(f"{len(problems)} problem(s) in dataset {root}:\n{lines}", problems)
 
 
 def unreadable(site: str, file: str | Path, err: BaseException) -> Problem:
@@ -53,6 +66,7 @@ def unreadable(site: str, file: str | Path, err: BaseException) -> Problem:
         str(file),
         f"cannot read file ({type(err).__name__}: {err})",
         "re-export or re-copy the file (it is truncated or not an image), or remove its datalist entry",
+        "unreadable_file",
     )
 
 
@@ -65,7 +79,7 @@ def bad_label_values(site: str, file: str | Path, values, allowed, raw: bool) ->
     else:
         what = f"label values {{{shown}}} are outside the class range 0..{max(allowed)}"
         fix = "fix the mask, add a label_map to the datalist entry, or set the classes in dataset.json"
-    return Problem(site, str(file), what, fix)
+    return Problem(site, str(file), what, fix, "bad_label_values")
 
 
 def shape_mismatch(site: str, image: str | Path, label: str | Path, image_shape, label_shape) -> Problem:
@@ -75,6 +89,7 @@ def shape_mismatch(site: str, image: str | Path, label: str | Path, image_shape,
         str(label),
         f"mask shape {tuple(label_shape)} differs from image {image} shape {tuple(image_shape)}",
         "pair the mask with its own image, or resample the mask onto the image grid",
+        "shape_mismatch",
     )
 
 
@@ -86,4 +101,5 @@ def spacing_mismatch(site: str, image: str | Path, label: str | Path, image_spac
         str(label),
         f"mask spacing {fmt(label_spacing)} differs from image {image} spacing {fmt(image_spacing)}",
         "resample the mask onto the image grid or copy the image header (pixdim) into the mask",
+        "spacing_mismatch",
     )

@@ -39,10 +39,10 @@ def label_problem(
     if threshold is not None:
         if label_map is not None:
             return Problem(site, str(file), "the datalist entry has both label_map and label_threshold",
-                           "keep one of them in the entry (re-index the data)")
+                           "keep one of them in the entry (re-index the data)", "label_map_invalid")
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
             return Problem(site, str(file), f"label_threshold must be a number, got {threshold!r}",
-                           "fix the entry's label_threshold (re-index with --mask-threshold)")
+                           "fix the entry's label_threshold (re-index with --mask-threshold)", "label_map_invalid")
         return None
     values = np.unique(mask)
     if label_map is not None:

@@ -6,7 +6,13 @@ startup kit what a package-mode deployment needs:
 - the server's and every site's ``local/resources.json.default`` get pflseg's job classes on their
   ``class_allow_list`` (``pflseg.flare.allowlist``), so jobs without custom code can run;
 - the server's job store and snapshots go to ``storage_root`` (FLARE's kits default to the shared
-  ``/tmp/nvflare/jobs-storage``): one folder per deployment.
+  ``/tmp/nvflare/jobs-storage``): one folder per deployment;
+- every kit's ``local/authorization.json.default`` gets pflseg's policy (``site_policy``) instead of FLARE's
+  default (which lets a ``lead`` of any organisation run custom code, BYOC, at every site and gives
+  ``project_admin`` shell commands everywhere): no BYOC (package-mode jobs carry configuration only), shell
+  commands for a site's own organisation only, job submission for ``project_admin`` and ``lead``;
+- every site's ``local/resources.json.default`` turns FLARE's log streaming off (``allow_log_streaming``,
+  true in FLARE 2.9's kits): a site's logs stay at the site.
 
 ``provision_loopback`` provisions the same project on this machine only: the server is ``localhost`` on a
 free port, storage inside the workspace, HOME inside the workspace (nvflare writes ~/.nvflare).
@@ -30,8 +36,44 @@ REPO_PROJECT = Path(__file__).resolve().parents[3] / "provisioning" / "project.y
 CLIENT_OUTCOME_WAIT_S = 10
 
 
+#: who may run custom code (BYOC) where: "none", "o:site" (a submitter of the site's own organisation) or "any"
+BYOC_CONDITIONS = ("none", "o:site", "any")
+
+
+def site_policy(byoc: str = "none") -> dict:
+    """pflseg's FLARE authorization policy (``local/authorization.json``), the same file for every participant:
+    FLARE evaluates ``o:site`` against the organisation of the site that checks (each site checks the commands
+    and jobs that reach it with its own file).
+
+    - ``project_admin``: submits, manages and downloads any job and operates (starts, stops) every site, but
+      runs shell commands (ls, cat, grep, ...) only at sites of its own organisation;
+    - ``lead``: submits jobs, manages and downloads its own, operates and runs shell commands only at its own
+      organisation's sites;
+    - ``org_admin``: no submission; manages its organisation's jobs, operates its own sites;
+    - ``member``: views only;
+    - custom code (``byoc``) for ``project_admin`` and ``lead``: ``byoc`` (default none: pflseg jobs run in
+      package mode, FLARE builds only classes on the site's ``class_allow_list``); never for the others.
+    """
+    if byoc not in BYOC_CONDITIONS:
+        raise ValueError(f"PflsegBuilder byoc={byoc!r}: expected one of {BYOC_CONDITIONS}")
+    common = {"view": "any", "byoc": "none", "server-predeployed-flwr": "none"}
+    return {
+        "format_version": "1.0",
+        "permissions": {
+            "project_admin": {**common, "submit_job": "any", "clone_job": "any", "manage_job": "any",
+                              "download_job": "any", "operate": "any", "shell_commands": "o:site", "byoc": byoc},
+            "org_admin": {**common, "submit_job": "none", "clone_job": "none", "manage_job": "o:submitter",
+                          "download_job": "o:submitter", "operate": "o:site", "shell_commands": "o:site"},
+            "lead": {**common, "submit_job": "any", "clone_job": "n:submitter", "manage_job": "n:submitter",
+                     "download_job": "n:submitter", "operate": "o:site", "shell_commands": "o:site", "byoc": byoc},
+            "member": {"view": "any"},
+        },
+    }
+
+
 class PflsegBuilder(Builder):
-    """Adds pflseg's classes to every kit's class allow list and gives the server its own job storage.
+    """Adds pflseg's classes to every kit's class allow list, gives the server its own job storage, writes
+    pflseg's authorization policy into every kit and turns log streaming off at every site.
 
     Args:
         storage_root: the server's folder for submitted jobs (``jobs-storage``) and snapshots
@@ -40,19 +82,30 @@ class PflsegBuilder(Builder):
             ends its tasks (FLARE's dead-client path); written into the server's ``startup/fed_server.json``.
             None keeps FLARE's default, 600 s. A dead site's task ends after min(this, the job's
             ``task_timeout``).
+        byoc: who may submit jobs with custom code, for ``project_admin`` and ``lead`` (``site_policy``):
+            "none" (default), "o:site" (only at sites of the submitter's own organisation) or "any" (FLARE's
+            default for ``lead``: a research federation that trusts its submitters).
     """
 
-    def __init__(self, storage_root: str = "/var/lib/pflseg/flare", heart_beat_timeout: int | None = None):
+    def __init__(self, storage_root: str = "/var/lib/pflseg/flare", heart_beat_timeout: int | None = None,
+                 byoc: str = "none"):
         self.storage_root = storage_root
         self.heart_beat_timeout = heart_beat_timeout
+        self.byoc = byoc
+        site_policy(byoc)  # a wrong value fails before provisioning starts
 
     def build(self, project, ctx):
         server = project.get_server()
+        policy = json.dumps(site_policy(self.byoc), indent=2)
         for participant in [server, *project.get_clients()]:
-            resources = Path(ctx.get_local_dir(participant)) / "resources.json.default"
+            local = Path(ctx.get_local_dir(participant))
+            resources = local / "resources.json.default"
             add_to_resources(resources)
             if participant is server:
                 _set_storage(resources, Path(self.storage_root))
+            else:
+                _no_log_streaming(resources)
+            (local / "authorization.json.default").write_text(policy + "\n")
         if self.heart_beat_timeout is not None:
             fed_server = Path(ctx.get_kit_dir(server)) / "fed_server.json"
             conf = json.loads(fed_server.read_text())
@@ -67,6 +120,12 @@ def _set_storage(resources_file: Path, root: Path) -> None:
     for comp in res["components"]:
         if comp["id"] == "job_manager":
             comp["args"]["uri_root"] = str(root / "jobs-storage")
+    resources_file.write_text(json.dumps(res, indent=2))
+
+
+def _no_log_streaming(resources_file: Path) -> None:
+    res = json.loads(resources_file.read_text())
+    res["allow_log_streaming"] = False
     resources_file.write_text(json.dumps(res, indent=2))
 
 

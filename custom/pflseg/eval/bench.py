@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import csv
 import json
+import secrets
+import shutil
 import statistics
 from pathlib import Path
 
@@ -39,6 +41,7 @@ from pflseg.deploy.data_sites import flare_names, site_view
 from pflseg.deploy.simulator import judge, move_aside, read_record, run_record, run_simulator, workspace_lock
 from pflseg.eval.progress import RunProgress
 from pflseg.flare.jobs import export_job
+from pflseg.flare.privacy import SALT_FILE
 from pflseg.flare.state import RoundStore, unprefixed
 from pflseg.nets import build_net
 from pflseg.train import evaluate
@@ -143,12 +146,16 @@ class Bench:
     Without ``data`` each seed makes its own synthetic data root ``<workspace>/data/seed<s>`` from ``preset``
     (``pflseg.data.synth.PRESETS``; the data seed is the run's seed): its inside sites train, its outside sites
     are held out. With ``data`` every seed uses that root (only training varies).
+
+    ``per_job``: more overrides of one job (``{"lcfed": {"net": {...}}}``). ``salts``: every run of a site uses one
+    pseudonym salt (``<workspace>/salts/<site>``), as a deployed site keeps one state folder for all its jobs, so
+    that per-case Dice (``privacy.per_case``) can be paired across runs.
     """
 
     def __init__(self, workspace, data=None, synth_sites: int = 6, methods=DEFAULT_METHODS, seeds=(0,), rounds: int = 20,
                  holdout: list[str] | None = None, overrides: dict | None = None, outside: bool = True,
                  threads: int | None = None, progress=print, sites: list[str] | None = None,
-                 preset: str | None = "bench"):
+                 preset: str | None = "bench", per_job: dict | None = None, salts: bool = False):
         unknown = [m for m in methods if m not in INSIDE]
         if unknown:
             raise ValueError(f"--methods: unknown {unknown}; choose from {', '.join(INSIDE)}")
@@ -172,6 +179,7 @@ class Bench:
             raise ValueError(f"--holdout {self.holdout}: need sites of the data ({self.sites}) and 2 sites left to train")
         self.outside = outside and any(m in OUTSIDE for m in self.methods)
         self.overrides, self.threads, self.progress = dict(overrides or {}), threads, progress
+        self.per_job, self.salts = dict(per_job or {}), salts
         if data is None and preset and "size" not in self.overrides.get("data", {}):
             self.overrides.setdefault("data", {})["size"] = info.get("train_size") or 64
         self.timings: list[dict] = []
@@ -227,7 +235,8 @@ class Bench:
 
     def job_overrides(self, seed: int, fold: str, job: str) -> dict:
         """The job's config overrides in this bench (``resume`` aside: it only says how a run starts)."""
-        over = {**self.overrides, "seed": seed, "rounds": self.rounds, "min_clients": len(self.clients(fold, job))}
+        over = {**self.overrides, **self.per_job.get(job, {}), "seed": seed, "rounds": self.rounds,
+                "min_clients": len(self.clients(fold, job))}
         if job in AFTER:
             trained, key, more = AFTER[job]
             bundle = str(self.run_dir(seed, fold, trained) / "state" / "server" / trained)
@@ -271,9 +280,24 @@ class Bench:
             clients = self.clients(fold, job)
             data, mapping = site_view(self.root(seed), clients, ws / "data")
             (ws / "sites.json").write_text(json.dumps(mapping, indent=1))
+            if self.salts:
+                for name, site in mapping.items():
+                    self.share_salt(site, ws / "state" / name)
             job_dir = export_job(job, ws / "job", overrides=over)
             return run_simulator(job_dir, ws, n_sites=len(clients), threads=self.threads, data=data,
                                  progress=lambda m: None, clients=list(mapping), inputs=expected["inputs"])
+
+    def share_salt(self, site: str, state_root: Path) -> None:
+        """Put the site's one salt (made once, ``<workspace>/salts/<site>``) in a run's site state folder."""
+        salt = self.ws / "salts" / site
+        if not salt.is_file():
+            salt.parent.mkdir(parents=True, exist_ok=True)
+            salt.write_text(secrets.token_hex(32))
+            salt.chmod(0o600)
+        state_root.mkdir(parents=True, exist_ok=True)
+        target = state_root / SALT_FILE
+        if not target.is_file():
+            shutil.copy2(salt, target)
 
     def execute(self) -> dict:
         """Every run of the plan (one bench at a time in a workspace: ``<workspace>/.lock``), then the tables."""
@@ -368,19 +392,22 @@ class Bench:
             for label, job, key, _ in INSIDE[m]:
                 if job in AFTER or key == "global_adabn":
                     continue
-                per_seed = []
-                for seed in self.seeds:
-                    curve = []
-                    for h in self.results(seed, "inside", job)["history"]:
-                        person = {s: v["val_dice_person"] for s, v in (h.get("site_metrics") or {}).items()
-                                  if isinstance(v, dict) and "val_dice_person" in v}
-                        values = person if key == "site" and person else h.get("val_dice")
-                        if values:
-                            curve.append(statistics.mean(values.values()))
-                    per_seed.append(curve)
+                per_seed = [self.curve(seed, job, key) for seed in self.seeds]
                 n = min(len(c) for c in per_seed)
                 out[label] = [statistics.mean(c[i] for c in per_seed) for i in range(n)]
         return out
+
+    def curve(self, seed: int, job: str, key: str) -> list[float]:
+        """Mean validation Dice per round (over the sites) of one inside run's reported model: the site's
+        personalized model (``val_dice_person``, where the method tracks one) for ``key`` "site", else the global."""
+        curve = []
+        for h in self.results(seed, "inside", job)["history"]:
+            person = {s: v["val_dice_person"] for s, v in (h.get("site_metrics") or {}).items()
+                      if isinstance(v, dict) and "val_dice_person" in v}
+            values = person if key == "site" and person else h.get("val_dice")
+            if values:
+                curve.append(statistics.mean(values.values()))
+        return curve
 
     def steps(self) -> dict:
         """job -> site -> optimizer steps per round at that site (mean over rounds, seed 0's run)."""

@@ -1,141 +1,270 @@
-"""`pflseg demo`: what pflseg is for, on synthetic multi-site data, in the FLARE simulator.
+"""`pflseg demo`: what each method is for, on the benchmark's synthetic sites scaled down, in the FLARE simulator.
 
-1. Inside: FedAvg and the personalized methods (FedBN, FedSM, IOP-FL, LC-Fed on its own backbone, GRACE)
-   train on ``sites`` sites; the table gives each site's test Dice of the model each method gives that site
-   (FedAvg: the selected global model; the others: the site's own best model by validation). IOP-FL trains
-   FedAvg and keeps its local adapted models beside it, so the FedAvg column is the IOP-FL run's global
-   model (bit for bit what a ``fedavg`` run gives: same seeds, same updates) and FedAvg costs no run of its own.
-2. Outside: the last synthetic site (its cases blend the inside sites' styles) never trains; the IOP-FL
-   run's bundle is routed there (``iopfl_route``) and scored next to FedAvg, Average, Ensemble and Tent.
+The data is ``pflseg.data.synth.PRESETS["demo"]``: the bench preset's first three inside sites (sites that
+label differently, image differently and differ in size: 12 / 6 / 3 training cases) and one outside site whose
+cases blend the inside sites' styles, at 48 px; every inside site tests on 5 cases (40 slices), the outside site
+is scored on all of its 20 cases (160 slices). The runs are ``pflseg bench``'s (``Bench.run``: resumable, read back
+when the settings are the same), one seed, every method at the same budget.
 
-Writes ``<workspace>/results/`` (``inside.md``, ``inside.csv``, ``outside.md``, ``val_dice.png``: mean
-validation Dice per round of each method, ``overlays.md``) and each run's own ``runs/<job>/results/``.
+1. Inside: FedBN, FedSM, GRACE, IOP-FL and LC-Fed (on its own backbone) train on the inside sites. FedAvg is the
+   IOP-FL run's global model (bit for bit a FedAvg run at the same seed), so it costs no run of its own. The
+   table gives each site's test Dice of the model each method gives it, the mean, and the mean paired
+   difference against FedAvg over (site, case) pairs with its 95 % t-interval.
+2. Outside: the IOP-FL bundle is routed at the outside site (``iopfl_route``) and scored next to FedAvg, Average,
+   Ensemble and online Tent, each comparison within one normalisation treatment (running statistics or the test
+   batch's); FedSM's super model (``fedsm_infer``) under running statistics.
+Under each table the run's verdicts are written out as sentences from the numbers.
+
+Pairs by case need the same case pseudonym in every run of a site (``privacy.per_case``: HMAC under the site's
+salt): as in a deployment, where a hospital keeps one state folder (and salt) for all its jobs, each demo site
+keeps one salt (``<workspace>/salts``) for all of its runs.
+
+Writes ``<workspace>/results/`` (``inside.md``, ``inside.csv``, ``outside.md``, ``val_dice.png``: mean validation
+Dice per round of each method, ``overlays.md``) and each run's own ``runs/seed0/inside/<job>/results/``.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import statistics
 import time
 from pathlib import Path
 
-from pflseg.data import make_synthetic
-from pflseg.deploy.simulator import run_simulator, workspace_lock
-from pflseg.eval.plots import PLOTS_HINT, have_matplotlib, mean_curve, overlay_paths, plot_lines, write_results
+from pflseg.deploy.simulator import workspace_lock
+from pflseg.eval.bench import PRIMARY, Bench, paired_difference
+from pflseg.eval.plots import PLOTS_HINT, have_matplotlib, overlay_paths, plot_lines, write_results
 from pflseg.eval.progress import RunProgress
-from pflseg.eval.tables import LABELS, dice_table, site_dice
-from pflseg.flare.jobs import export_job
-from pflseg.infer.routing import METHODS as ROUTE_METHODS
 
-JOBS = ("fedbn", "fedsm", "iopfl", "lcfed", "grace")
-#: sized for under 10 minutes on 2 CPU cores: 3 inside sites + 1 outside site, 8 slices per volume, 48 px,
-#: 8 rounds of 3 local epochs; lr 0.003 with Dice + cross-entropy: the U-Net starts segmenting within the
-#: demo's few rounds (FLARE's start-up and the final test take ~40 s per job on 2 cores, a round ~3 s)
-SETTINGS = {"data": {"size": 48}, "train": {"lr": 0.003, "loss": "dice_ce", "epochs": 3}, "iopfl": {"epochs": 3}}
-DEPTH = 8
-OUTSIDE_CASES = 6
+PRESET = "demo"
+#: training jobs, then the post-training jobs that read their bundles
+JOBS = ("iopfl", "fedbn", "fedsm", "grace", "lcfed", "iopfl_route", "fedsm_infer")
+#: the same for every job: lr 0.003 with Dice + cross-entropy and 3 local epochs make the U-Net segment within
+#: a few rounds; per-case Dice (pseudonymised) leaves the sites so that differences can be paired by case
+SETTINGS = {"train": {"lr": 0.003, "loss": "dice_ce", "epochs": 3},
+            "iopfl": {"epochs": 3, "comparators": ["global", "average", "ensemble", "global_bn", "average_bn", "ensemble_bn", "tent"]},
+            "privacy": {"per_case": True}}
 #: LC-Fed's five-stage backbone, narrowed (its calibration applies every site's head: the demo's slowest job)
 LCFED_NET = {"channels": [8, 16, 32, 64, 128]}
-OUTSIDE = {"global": "FedAvg", "global_bn": "FedAvg [batch]", "average": "Average", "average_bn": "Average [batch]",
-           "ensemble": "Ensemble", "ensemble_bn": "Ensemble [batch]", "tent": "Tent (online)",
-           "tent_epochs": "Tent (10 epochs)", "routing_global": "IOP-FL (Global)", "routing_layer": "Routing per-layer",
-           "routing": "IOP-FL routing"}
+#: rounds: FedAvg's mean validation Dice is flat over the last rounds (README: how the budget was chosen)
+ROUNDS = 12
+#: inside rows: (label, job, key of the site's test metrics); LC-Fed runs on its own net (marked in the table)
+INSIDE = [("FedAvg", "iopfl", "global"), ("FedAvg + AdaBN", "iopfl", "global_adabn"), ("FedBN", "fedbn", "site"),
+          ("FedSM personalized", "fedsm", "site"), ("GRACE global", "grace", "global"),
+          ("GRACE personalized", "grace", "site"), ("IOP-FL P_k", "iopfl", "site"), ("LC-Fed", "lcfed", "site")]
+OTHER_BACKBONE = {"LC-Fed"}
+#: outside rows: (label, job, method of the routing job or "super", treatment); the reference is "FedAvg"
+OUTSIDE = [("FedAvg", "iopfl_route", "global", "running"), ("Average", "iopfl_route", "average", "running"),
+           ("Ensemble", "iopfl_route", "ensemble", "running"), ("FedSM super", "fedsm_infer", "super", "running"),
+           ("FedAvg", "iopfl_route", "global_bn", "batch"), ("Average", "iopfl_route", "average_bn", "batch"),
+           ("Ensemble", "iopfl_route", "ensemble_bn", "batch"), ("Tent (online)", "iopfl_route", "tent", "batch"),
+           ("IOP-FL routing", "iopfl_route", "routing", "batch")]
+TREATMENTS = {"running": "running statistics (as trained)", "batch": "test-batch statistics"}
+BENCH_HINT = ("One seed and three small synthetic sites: a guide to what each method is for, not evidence. The "
+              "papers' protocols (5 sites, 64 px, seeds x sites, every baseline and control): `pflseg bench`.")
 
 
-def _over(rounds: int, sites: int, job: str) -> dict:
-    over = {**json.loads(json.dumps(SETTINGS)), "rounds": rounds, "min_clients": sites}
-    if job == "lcfed":
-        over["net"] = dict(LCFED_NET)
-    return over
+def _case_means(per_case: dict, site: str) -> dict[str, float]:
+    """{"site/case": mean Dice over classes} of one site's ``per_case`` entry."""
+    return {f"{site}/{case}": statistics.mean(v) if isinstance(v, list) else float(v) for case, v in per_case.items()}
 
 
-def outside_table(route: dict) -> str:
-    """Markdown: one row per outside site, Dice of each comparator and of IOP-FL routing."""
-    methods = [m for m in ROUTE_METHODS if all(m in r["methods"] for r in route.values())]
-    lines = ["| outside site | " + " | ".join(OUTSIDE.get(m, m) for m in methods) + " |", "|---" * (len(methods) + 1) + "|"]
-    for site, r in sorted(route.items()):
-        cells = ["-" if r["methods"][m]["dice"] is None else f"{r['methods'][m]['dice']:.4f}" for m in methods]
-        lines.append(f"| {site} | " + " | ".join(cells) + " |")
+class Demo:
+    """The demo's runs (through ``Bench``) and its tables."""
+
+    def __init__(self, workspace, rounds: int = ROUNDS, threads: int | None = None, progress=print):
+        self.bench = Bench(workspace, methods=[], seeds=[0], rounds=rounds, overrides=SETTINGS, threads=threads,
+                           progress=progress, preset=PRESET, per_job={"lcfed": {"net": LCFED_NET}}, salts=True)
+        self.ws, self.rounds, self.progress = self.bench.ws, rounds, progress
+        self.inside, self.outside = self.bench.inside, self.bench.holdout
+
+    def run(self) -> dict:
+        steps = RunProgress(len(JOBS), self.progress)
+        results = {}
+        for job in JOBS:
+            steps.start(job)
+            results[job] = self.bench.run(0, "inside", job)
+            took = steps.done()
+            write_results(results[job], self.bench.run_dir(0, "inside", job))
+            self.progress(f"[{job}] finished in {took:.0f} s")
+        return results
+
+    def per_case(self, results: dict, job: str, key: str, sites: list[str], treatment: str | None = None) -> dict:
+        """{"site/case": Dice} of one row at ``sites`` (data-root names)."""
+        res, names = results[job], self.bench.names(0, "inside", job)
+        out = {}
+        for sim, site in names.items():
+            if site not in sites:
+                continue
+            if job == "iopfl_route":
+                entry = res["route"][sim]["methods"][key]
+            elif key == "super":  # at the gamma chosen on the inside sites' validation
+                entry = res["infer"][sim]["super"][str(float(res.get("gamma_selected", res["config"]["fedsm"]["gamma"])))]
+            else:
+                entry = res["test"][sim][key]
+            if "per_case" not in entry:
+                raise ValueError(f"{job}: no per-case Dice for {site} ({key}); the demo needs privacy.per_case: true")
+            out.update(_case_means(entry["per_case"], site))
+        return out
+
+    def tables(self, results: dict) -> dict:
+        inside = {label: self.per_case(results, job, key, self.inside) for label, job, key in INSIDE}
+        outside = {f"{label} [{tr}]": self.per_case(results, job, key, self.outside)
+                   for label, job, key, tr in OUTSIDE if job in results}
+        report = {"inside_sites": self.inside, "outside_sites": self.outside, "rounds": self.rounds,
+                  "cases": {s: len([k for k in inside["FedAvg"] if k.startswith(s + "/")]) for s in self.inside},
+                  "outside_cases": {s: len([k for k in outside["FedAvg [running]"] if k.startswith(s + "/")])
+                                    for s in self.outside},
+                  "images": self.images(results), "inside": summarise(inside, self.inside),
+                  "outside": {}, "plateau": self.plateau(results)}
+        for tr in TREATMENTS:
+            rows = {k.rsplit(" [", 1)[0]: v for k, v in outside.items() if k.endswith(f"[{tr}]")}
+            report["outside"][tr] = summarise(rows, self.outside)
+        method, against, treatment = PRIMARY
+        rows = {k.rsplit(" [", 1)[0]: v for k, v in outside.items() if k.endswith(f"[{treatment}]")}
+        report["primary"] = {a: paired_difference({k: [v] for k, v in rows[method].items()},
+                                                  {k: [v] for k, v in rows[a].items()})
+                             for a in against if method in rows and a in rows}
+        return report
+
+    def images(self, results: dict) -> dict:
+        res, names = results["iopfl"], self.bench.names(0, "inside", "iopfl")
+        out = {names[s]: t["global"].get("n_images") for s, t in res["test"].items()}
+        route, names = results["iopfl_route"], self.bench.names(0, "inside", "iopfl_route")
+        out.update({names[s]: r["n_images"] for s, r in route["route"].items()})
+        return out
+
+    def plateau(self, results: dict) -> dict:
+        """FedAvg's (the IOP-FL run's global model's) mean validation Dice per round."""
+        curve = [statistics.mean(h["val_dice"].values()) for h in results["iopfl"]["history"] if h.get("val_dice")]
+        tail = curve[-4:]
+        return {"curve": curve, "last": tail, "range_last": max(tail) - min(tail) if tail else None}
+
+
+def summarise(rows: dict[str, dict[str, float]], sites: list[str]) -> dict:
+    """label -> {"sites": {site: mean Dice}, "mean", "vs_fedavg": paired difference over (site, case) pairs,
+    "per_site": {site: paired difference over that site's cases}}; the reference row is "FedAvg"."""
+    ref = rows["FedAvg"]
+    out = {}
+    for label, values in rows.items():
+        by_site = {s: [v for k, v in values.items() if k.startswith(s + "/")] for s in sites}
+        entry = {"sites": {s: statistics.mean(v) for s, v in by_site.items() if v},
+                 "mean": statistics.mean(values.values()) if values else None}
+        if label != "FedAvg":
+            entry["vs_fedavg"] = paired_difference({k: [v] for k, v in values.items()}, {k: [v] for k, v in ref.items()})
+            entry["per_site"] = {s: paired_difference({k: [v] for k, v in values.items() if k.startswith(s + "/")},
+                                                      {k: [v] for k, v in ref.items()}) for s in sites}
+        out[label] = entry
+    return out
+
+
+def _diff(d: dict | None) -> str:
+    if not d:
+        return "-"
+    mark = {"better": " **+**", "worse": " **−**", "tie": ""}[d["verdict"]]
+    return f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]{mark}"
+
+
+def markdown(table: dict, sites: list[str], counts: dict, images: dict, note=lambda label: "") -> str:
+    head = ["method", *[f"{s} ({counts.get(s, '?')} cases, {images.get(s, '?')} img)" for s in sites], "mean",
+            "Δ vs FedAvg [95 % CI over (site, case) pairs]"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for label, e in table.items():
+        cells = [f"{e['sites'][s]:.3f}" if s in e["sites"] else "-" for s in sites]
+        lines.append(f"| {label}{note(label)} | " + " | ".join(cells) + f" | **{e['mean']:.3f}** | {_diff(e.get('vs_fedavg'))} |")
     return "\n".join(lines)
 
 
-def run_demo(workspace: str | Path = "demo", sites: int = 3, rounds: int = 8, threads: int | None = None,
-             jobs=JOBS, progress=print) -> str:
-    """Make the data, run ``jobs`` on ``sites`` inside sites and IOP-FL routing at one outside site; write
-    the tables and pictures; return the text to print (tables and the paths of the pictures). One demo at a
+def sentences(table: dict, where: str) -> list[str]:
+    """Plain verdicts from the numbers: who beats FedAvg (interval above 0), who loses, what is unresolved, and at
+    which sites a method's own per-site interval lies above 0."""
+    groups: dict[str, list[str]] = {"better": [], "worse": [], "tie": []}
+    for label, e in table.items():
+        d = e.get("vs_fedavg")
+        if d:
+            groups[d["verdict"]].append(f"{label} ({d['mean']:+.3f})")
+    out = []
+    if groups["better"]:
+        out.append(f"{where}, better than FedAvg (95 % interval above 0): {', '.join(groups['better'])}.")
+    if groups["worse"]:
+        out.append(f"{where}, worse than FedAvg (interval below 0): {', '.join(groups['worse'])}.")
+    if groups["tie"]:
+        out.append(f"{where}, not resolved by this run (interval includes 0), so no claim either way: "
+                   f"{', '.join(groups['tie'])}.")
+    wins = [f"{label} at {', '.join(s for s, d in e['per_site'].items() if d and d['verdict'] == 'better')}"
+            for label, e in table.items() if any(d and d["verdict"] == "better" for d in e.get("per_site", {}).values())]
+    if wins and len(table[next(iter(table))]["sites"]) > 1:
+        out.append("Site by site (interval over that site's cases above 0): " + "; ".join(wins) + ".")
+    return out
+
+
+def run_demo(workspace: str | Path = "demo", rounds: int = ROUNDS, threads: int | None = None, progress=print) -> str:
+    """Make the data, run the demo's jobs, write the tables and pictures; return the text to print. One demo at a
     time in a workspace (``<workspace>/.lock``, see ``workspace_lock``)."""
+    t0 = time.time()
     ws = Path(workspace).resolve()
     with workspace_lock(ws):
-        return _run_demo(ws, sites, rounds, threads, jobs, progress)
+        demo = Demo(ws, rounds, threads, progress)
+        progress(f"synthetic data (preset {PRESET}) in {demo.bench.root(0)}: inside sites {', '.join(demo.inside)}, "
+                 f"outside site {', '.join(demo.outside)}")
+        results = demo.run()
+        report = demo.tables(results)
+        return write(demo, results, report, ws, t0)
 
 
-def _run_demo(ws: Path, sites: int, rounds: int, threads: int | None, jobs, progress) -> str:
-    t0 = time.time()
-    cases = [[12, 10, 10, 8, 6][i % 5] for i in range(sites)] + [OUTSIDE_CASES]  # synth's default inside counts
-    data = make_synthetic(ws / "data", task="prostate", n_sites=sites + 1, seed=0, depth=DEPTH, cases=cases)
-    inside, outside = [f"site-{i + 1}" for i in range(sites)], f"site-{sites + 1}"
-    progress(f"synthetic data in {data}: inside sites {', '.join(inside)}, outside site {outside} "
-             f"({time.time() - t0:.1f} s)")
-    route = "iopfl" in jobs
-    steps = RunProgress(len(jobs) + route, progress)
-    results, lines = {}, []
-    for name in jobs:
-        job_dir = export_job(name, ws / "jobs", overrides=_over(rounds, sites, name))
-        steps.start(name)
-        results[name] = run_simulator(job_dir, ws / "runs" / name, threads=threads, data=data, progress=progress,
-                                      clients=inside)
-        progress(f"[{name}] finished in {steps.done():.0f} s: mean test Dice "
-                 f"{sum(site_dice(results[name]).values()) / sites:.4f}")
-        write_results(results[name], ws / "runs" / name)
-    if route:
-        bundle = ws / "runs" / "iopfl" / "state" / "server" / "iopfl"
-        over = {**_over(rounds, 1, "iopfl_route"), "iopfl": {"bundle": str(bundle), "targets": [outside]}}
-        job_dir = export_job("iopfl_route", ws / "jobs", overrides=over)
-        steps.start(f"iopfl_route at {outside}")
-        routed = run_simulator(job_dir, ws / "runs" / "iopfl_route", threads=threads, data=data, progress=progress,
-                               clients=[outside])
-        steps.done()
-        write_results(routed, ws / "runs" / "iopfl_route")
-        results["iopfl_route"] = routed
+def write(demo: Demo, results: dict, report: dict, ws: Path, t0: float) -> str:
     out = ws / "results"
     out.mkdir(parents=True, exist_ok=True)
-    trained = {n: r for n, r in results.items() if n != "iopfl_route"}
-    if "iopfl" in trained and "fedavg" not in trained:  # FedAvg = the IOP-FL run's global model
-        trained = {"fedavg": {**trained["iopfl"], "method": "fedavg"}, **trained}
-    inside_md = dice_table(trained)
-    (out / "inside.md").write_text(inside_md + "\n")
+    flat = report["plateau"]
+    inside_md = markdown(report["inside"], demo.inside, report["cases"], report["images"],
+                         lambda label: " (own net)" if label in OTHER_BACKBONE else "")
+    text = [f"Inside: test Dice per site after {report['rounds']} rounds (each method's model for that site; FedAvg = "
+            f"the IOP-FL run's global model). FedAvg's mean validation Dice over the last rounds: "
+            + ", ".join(f"{v:.3f}" for v in flat["last"]) + f" (range {flat['range_last']:.3f}).", "", inside_md, "",
+            *sentences(report["inside"], "Inside"),
+            "LC-Fed runs on its own U-shaped net, so its Δ mixes the method with the backbone.", ""]
+    (out / "inside.md").write_text("\n".join(text) + "\n")
     with open(out / "inside.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["site", *trained])
-        columns = {n: site_dice(r) for n, r in trained.items()}
-        for site in inside:
-            w.writerow([site, *(f"{columns[n][site]:.4f}" if site in columns[n] else "" for n in trained)])
-    text = [f"Inside: test Dice per site of the model each method gives that site ({sites} sites, {rounds} rounds"
-            + ("; FedAvg = the IOP-FL run's global model)" if "fedavg" not in jobs and "iopfl" in jobs else ")"),
-            "", inside_md]
-    written = [out / "inside.md", out / "inside.csv"]
-    if route:
-        outside_md = outside_table(results["iopfl_route"]["route"])
-        (out / "outside.md").write_text(outside_md + "\n")
-        written.append(out / "outside.md")
-        text += ["", f"Outside: {outside} never trained; IOP-FL's models routed there at test time", "", outside_md]
+        w.writerow(["method", *demo.inside, "mean", "diff_vs_fedavg", "ci95_lo", "ci95_hi", "n_pairs"])
+        for label, e in report["inside"].items():
+            d = e.get("vs_fedavg") or {}
+            w.writerow([label, *(f"{e['sites'].get(s, float('nan')):.4f}" for s in demo.inside), f"{e['mean']:.4f}",
+                        *(f"{d[k]:.4f}" if d else "" for k in ("mean", "lo", "hi")), d.get("n", "")])
+    outside = [f"Outside: {', '.join(demo.outside)} never trained; every image scored; comparisons within one "
+               "normalisation treatment."]
+    for tr, title in TREATMENTS.items():
+        outside += ["", f"**Normalisation: {title}**", "",
+                    markdown(report["outside"][tr], demo.outside, report["outside_cases"], report["images"]), "",
+                    *sentences(report["outside"][tr], f"Outside ({title})")]
+    method, against, treatment = PRIMARY
+    primary = report["primary"]
+    if primary:
+        verdicts = {d["verdict"] if d else None for d in primary.values()}
+        verdict = ("holds on this run" if verdicts == {"better"} else "cannot be judged (too few pairs)"
+                   if None in verdicts else "does not hold on this run")
+        outside += ["", f"IOP-FL's outside claim ({method} beats {', '.join(against)} under {TREATMENTS[treatment]}): "
+                    + "; ".join(f"vs {a} {_diff(d)}" for a, d in primary.items()) + f" -> the claim {verdict}."]
+    (out / "outside.md").write_text("\n".join(outside) + "\n")
+    text += outside + ["", BENCH_HINT]
+    written = [out / "inside.md", out / "inside.csv", out / "outside.md"]
+    lines = []
     if have_matplotlib():
-        curves = {LABELS.get(r["method"], n): mean_curve(r) for n, r in trained.items() if n != "fedavg" or n in jobs}
+        curves = {label: [(i + 1, v) for i, v in enumerate(demo.bench.curve(0, job, key))]
+                  for label, job, key in INSIDE if key != "global_adabn"}
         written.append(plot_lines(curves, out / "val_dice.png", "validation Dice per round (mean over sites)"))
     else:
         lines.append(PLOTS_HINT)
-    listing = [f"- {n}, {site}: {p}" for n in jobs for site, paths in overlay_paths(ws / "runs" / n, n).items()
-               for p in paths]
+    listing = []
+    for job in JOBS:
+        run_dir = demo.bench.run_dir(0, "inside", job)
+        for site, paths in overlay_paths(run_dir, job).items():
+            listing += [f"- {job}, {site}: {p}" for p in paths]
     if listing:
         (out / "overlays.md").write_text("Overlays (image | ground truth | prediction) of the best and worst test "
                                          "cases, drawn at each site:\n\n" + "\n".join(listing) + "\n")
         written.append(out / "overlays.md")
-        for n in jobs:
-            found = overlay_paths(ws / "runs" / n, n)
-            if found:
-                lines.append(f"overlays {n}: {ws / 'runs' / n / 'state'}/<site>/{n}/overlays/ "
-                             f"({sum(len(p) for p in found.values())} PNG at {len(found)} sites)")
-    (ws / "results.json").write_text(json.dumps(results, indent=1, sort_keys=True))
+    (ws / "results.json").write_text(json.dumps({"report": report, "runs": results}, indent=1, sort_keys=True))
     text += ["", "Written: " + ", ".join(str(p) for p in written), *lines,
              f"demo finished in {(time.time() - t0) / 60:.1f} min; everything in {ws}"]
     return "\n".join(text)

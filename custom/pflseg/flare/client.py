@@ -5,21 +5,24 @@
 The job's configuration arrives from the server in ``meta["pflseg"]``; the method's site class
 (``pflseg.flare.methods``) answers the tasks its method has. A failing task, whatever the exception,
 becomes an error reply that names the problem (the server leaves the site out of that round), never a
-dead site; the reply's text carries no absolute paths (``pflseg.flare.privacy.public_text``), the site's
-log has the full message. The site claims its state folder for the FLARE job's id (``flare.get_job_id()``).
+dead site. The reply, and the ERROR line in FLARE's log, carry what may leave the site only
+(``pflseg.flare.privacy.public_error``: data problems as codes, counts and pseudonyms; no absolute path; an
+unforeseen exception by its type); the full detail goes to the site-local ``<state root>/site_errors.log``,
+which the reply names. The site claims its state folder for the FLARE job's id (``flare.get_job_id()``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 from nvflare.app_common.abstract.fl_model import FLModel
 
 from pflseg.config import check_effective
 from pflseg.data import DataError
 from pflseg.flare.methods import method
-from pflseg.flare.privacy import public_text
+from pflseg.flare.privacy import Pseudonyms, public_error, write_local_log
 from pflseg.flare.settings import site_settings
 from pflseg.flare.state import state_dir
 
@@ -29,15 +32,15 @@ log = logging.getLogger("pflseg.client")
 def answer(name: str, task: str, msg: FLModel, site, job_id: str | None = None):
     """Site ``name``'s reply to ``task``: ``(reply, site)``, ``site`` made on the first message (None when it
     must be made again, after a data error) for FLARE job ``job_id``. Any exception in a task is an error
-    reply naming the site, the task and the exception (meta ``pflseg_error``, without absolute paths; the
-    server leaves the site out of that round), never a dead site; unexpected ones are logged with their
-    traceback."""
+    reply (meta ``pflseg_error``: ``public_error``'s public text plus where the site keeps the detail; the
+    server leaves the site out of that round), never a dead site; the detail (full message, paths, traceback)
+    goes to the site-local log ``<state root>/site_errors.log`` only."""
     store = getattr(site, "store", None)
     state_root = store.root.parent if store is not None else None
     try:
         if site is None:
             cfg = check_effective(msg.meta["pflseg"], "job config sent by the server")
-            state_root = _state_root(name, cfg)
+            state_root = _state_root(name)
             site = method(cfg).site(name, cfg, msg.meta["sites"], job_id)
         handler = site.tasks().get(task)
         if handler is None:
@@ -46,23 +49,28 @@ def answer(name: str, task: str, msg: FLModel, site, job_id: str | None = None):
         out = handler(msg)
         out.metrics = {**(out.metrics or {}), "compute_seconds": time.time() - t0}
         return out, site
-    except (DataError, ValueError, RuntimeError, OSError, FloatingPointError) as exc:  # problems a person can act on
-        log.error("site %s: %s", name, exc)
-        error = str(exc) if str(exc).startswith(f"site {name}") else f"site {name}: {exc}"
+    except Exception as exc:  # noqa: BLE001 - every failure is a reply, never a dead site
+        if state_root is None:
+            state_root = _state_root(name)
+        pseudonyms = getattr(site, "pseudonyms", None) or Pseudonyms(state_root)
+        error, detail = public_error(exc, name, task, state_root, pseudonyms)
+        where = write_local_log(state_root, error, detail)
+        error += f" (detail in the site's {where})" if where else " (detail: no site-local log could be written)"
+        log.error("%s", error)
         if isinstance(exc, DataError):
             site = None  # made again from the next message (the data may be fixed meanwhile)
-    except Exception as exc:  # a bug or an unforeseen input: the traceback goes to the site's log
-        log.exception("site %s: task '%s' failed", name, task)
-        error = f"site {name}: task '{task}' failed: {type(exc).__name__}: {exc}"
-    return FLModel(params={}, meta={"pflseg_error": public_text(error, state_root), "site": name}), site
+    return FLModel(params={}, meta={"pflseg_error": error, "site": name}), site
 
 
-def _state_root(name: str, cfg: dict):
-    """The site's state root (errors name paths in it relative to it), or None when it cannot be told yet."""
+def _state_root(name: str) -> Path:
+    """The site's state root (errors name paths in it relative to it; its local error log lies in it): from the
+    site's settings, ``PFLSEG_STATE_DIR`` or the working directory (``pflseg.flare.state.state_dir``); an
+    unusable site config counts as none."""
     try:
-        return state_dir(name, cfg["name"], site_settings(name)["state_dir"]).parent
-    except (DataError, ValueError, RuntimeError, OSError, KeyError):
-        return None
+        configured = site_settings(name)["state_dir"]
+    except (DataError, ValueError, OSError, KeyError, TypeError):
+        configured = None
+    return state_dir(name, "_", configured).parent
 
 
 def main() -> None:

@@ -13,6 +13,14 @@ Every reply of a site passes ``public_metrics`` (``Site.reply``) and every error
   ``<state>/<relative path>``, any other absolute path its last component after ``.../``. The site's own log
   keeps the full text.
 
+Errors (``public_error``, used by ``pflseg.flare.client.answer``): a data problem (a ``DataError`` made of
+``pflseg.data.errors.Problem`` objects: a corrupt file, a case in two splits, ...) is sent as problem codes,
+counts and pseudonyms only (``file-<hmac>`` for a file, ``case-<hmac>`` for a case id, under the same salt);
+another actionable error (a config value, the state folder, a missing data location) as its message through
+``public_text``; an unforeseen exception as its type only. The full detail (message, paths, which pseudonym
+is which file or case, the traceback) goes to the site-local log ``<state root>/site_errors.log``
+(``write_local_log``, mode 0600), never to FLARE's logs, which FLARE can stream to the server.
+
 Test metrics are sent once, at the end (the final ``test`` task); IOP-FL's per-round test Dice only with
 ``privacy.round_test: true`` (``pflseg.flare.sites.iopfl``).
 """
@@ -24,9 +32,15 @@ import hmac
 import os
 import re
 import secrets
+import time
+import traceback
 from pathlib import Path
 
 SALT_FILE = "privacy_salt"
+#: the site-local error log in the site's state root: what an error reply leaves out, for the site's operator
+LOCAL_LOG = "site_errors.log"
+#: pseudonyms named per problem code in an error reply (the count says how many there are)
+MAX_NAMED = 5
 
 _STOP = r"\s'\"`,;:()\[\]{}<>|*?"
 #: An absolute POSIX path (``/a/b``, ``~/a``) not preceded by a word character, or a Windows one (``C:\\a``).
@@ -105,4 +119,63 @@ class Pseudonyms:
         return self._salt
 
     def __call__(self, case: str) -> str:
-        return "case-" + hmac.new(self.salt(), case.encode(), hashlib.sha256).hexdigest()[:16]
+        return "case-" + self._digest(case)
+
+    def file(self, path: str | Path) -> str:
+        """A data file's pseudonym (``file-`` + HMAC of its path as the site names it)."""
+        return "file-" + self._digest(str(path))
+
+    def _digest(self, text: str) -> str:
+        return hmac.new(self.salt(), text.encode(), hashlib.sha256).hexdigest()[:16]
+
+
+def public_error(exc: BaseException, site: str, task: str, state_root: str | Path | None = None,
+                 pseudonyms: Pseudonyms | None = None) -> tuple[str, str]:
+    """``(public, detail)`` of an exception in site ``site``'s task ``task`` (see the module docstring).
+
+    ``public`` may leave the site (error reply, FLARE's logs); ``detail`` is for ``write_local_log`` only.
+    ``pseudonyms`` None (no state root): data problems are sent as codes and counts without pseudonyms.
+    """
+    from pflseg.data import DataError
+
+    problems = getattr(exc, "problems", None) if isinstance(exc, DataError) else None
+    if problems:
+        names = []
+        for p in problems:
+            try:
+                names.append(None if pseudonyms is None else pseudonyms(p.case) if p.case else pseudonyms.file(p.file))
+            except (OSError, ValueError):  # no salt (unwritable state root): codes and counts only
+                names.append(None)
+        parts = []
+        for code in dict.fromkeys(p.code for p in problems):
+            named = list(dict.fromkeys(n for p, n in zip(problems, names) if p.code == code and n))
+            count = sum(p.code == code for p in problems)
+            more = f", +{len(named) - MAX_NAMED} more" if len(named) > MAX_NAMED else ""
+            shown = ", ".join(named[:MAX_NAMED]) + more
+            parts.append(f"{code} x{count}" + (f" [{shown}]" if shown else ""))
+        public = f"site {site}: task '{task}': {len(problems)} data problem(s): " + "; ".join(parts)
+        detail = f"site {site}: task '{task}': {exc}\n" + "\n".join(
+            f"  {n or p.code} = {p}" for p, n in zip(problems, names))
+        return public, detail
+    if isinstance(exc, (DataError, ValueError, RuntimeError, OSError, FloatingPointError)):  # a person can act on it
+        message = str(exc) if str(exc).startswith(f"site {site}") else f"site {site}: {exc}"
+        return public_text(message, state_root), message
+    detail = f"site {site}: task '{task}' failed:\n" + "".join(traceback.format_exception(exc)).rstrip()
+    return f"site {site}: task '{task}' failed: {type(exc).__name__}", detail
+
+
+def write_local_log(state_root: str | Path | None, public: str, detail: str) -> str | None:
+    """Append ``detail`` (under the ``public`` line it explains) to ``<state_root>/site_errors.log`` (0600);
+    return how a reply names that file (``<state>/site_errors.log``), None when it could not be written."""
+    if state_root is None:
+        return None
+    path = Path(state_root) / LOCAL_LOG
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "a") as f:
+            f.write(f"{stamp} {public}\n{detail}\n\n")
+    except OSError:
+        return None
+    return f"<state>/{LOCAL_LOG}"

@@ -9,6 +9,14 @@ where v is the selector's input rule (``pflseg.algorithms.fedsm.selector_view``:
 and T its temperature (``pflseg.algorithms.fedsm.route``). FedSM-extra uses a (K+1)-way selector whose argmax names the model
 directly, class 0 being the global one (``route_extra``); no gamma.
 
+Familiarity fallback (outside sites; ``familiarity`` + ``familiar_tau``): the selector's posterior is only
+meaningful for images like the ones its head was fitted on. With the LDA head's Gaussians (class means and
+shared precision, ``pflseg.algorithms.fedsm.lda_gaussians``) every image gets d2_min, its squared
+Mahalanobis distance to the nearest class mean (``min_mahalanobis``) in the selector's features
+(``Selector.embed``); an image with d2_min > tau goes to the global model whatever the selector says, at every
+gamma (and the extra route). The result then holds both: ``super`` with the fallback (the reported super model)
+and ``super_nofallback`` as routed by the selector alone.
+
 One pass over the dataset (in order, no shuffle) computes the selector's probabilities and the
 ``sigmoid(logits) > 0.5`` predictions of the models that any routing rule (or the report) needs for the
 batch; every gamma is then a choice of already computed predictions. Dice is per case: a case's slices
@@ -34,7 +42,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from pflseg.algorithms.fedsm import GLOBAL, route, route_extra, selector_view
+from pflseg.algorithms.fedsm import GLOBAL, min_mahalanobis, route, route_extra, selector_view
 from pflseg.train.predictions import case_dice, case_names, write_predictions
 from pflseg.train.loop import make_loader
 
@@ -43,6 +51,9 @@ EXTRA = "extra"
 
 #: Model key of the global model in the per-sample prediction store (personalized model k is k).
 _G = GLOBAL
+
+#: Suffix of a route's key for the selector's own choice when the familiarity fallback overrides it.
+_RAW = ":raw"
 
 
 def evaluate_super_model(
@@ -60,6 +71,8 @@ def evaluate_super_model(
     label_encoding: str = "nested",
     selector_input: str = "zscore",
     temperature: float = 1.0,
+    familiarity: dict | None = None,
+    familiar_tau: float | None = None,
 ) -> dict:
     """Score the FedSM super model (and the global / own personalized model) on one site's data.
 
@@ -87,6 +100,10 @@ def evaluate_super_model(
         selector_input: what the selector sees (``selector_view``): "zscore" (the image as the models get it)
             or "intensity"; the trained run's rule.
         temperature: T > 0 of the selector's softmax (1 = none).
+        familiarity: ``{"mean": (C, D), "precision": (D, D)}`` (``lda_gaussians``) of the selector's features;
+            when given, every sample's d2_min is computed (``selector.embed`` must exist) and returned.
+        familiar_tau: with ``familiarity``: samples with d2_min > tau go to the global model (the fallback);
+            None: no fallback.
 
     Returns:
         ``{"n_images", "n_cases", "global": {"dice", "dice_per_class", "per_case"},
@@ -97,11 +114,15 @@ def evaluate_super_model(
         counts of images (the selection histogram): index 0 = global model, index k + 1 = personalized
         model k; ``selection`` the same as fractions of all samples (they sum to 1).
         ``n_cases`` counts all cases, labelled or not. ``per_case`` maps a case's file name (the
-        sanitised case id, see ``out_dir``) to its per-class Dice.
+        sanitised case id, see ``out_dir``) to its per-class Dice. With ``familiarity`` also ``"d2_min"``:
+        one float per sample in dataset order; with ``familiar_tau`` also ``"super_nofallback"`` (the ``super``
+        entries without the fallback) and ``"fallback": {"tau", "n_fallback", "n_images"}``; ``super`` and the
+        written predictions are then the fallback's.
 
     Raises:
         ValueError: naming the argument: empty ``personalized`` or dataset, a gamma outside [0, 1],
-            ``own_index`` out of range, a selector output of the wrong shape, an unknown encoding.
+            ``own_index`` out of range, a selector output of the wrong shape, an unknown encoding,
+            ``familiar_tau`` without ``familiarity`` or not a number >= 0.
     """
     num_sites = len(personalized)
     if num_sites < 1:
@@ -120,6 +141,11 @@ def evaluate_super_model(
         raise ValueError("gammas: need at least one gamma (or extra=True)")
     save_route = EXTRA if extra else _gamma_key(save_gamma, "save_gamma")
     all_routes = routes + ([save_route] if out_dir is not None and save_route not in routes else [])
+    if familiar_tau is not None:
+        if familiarity is None:
+            raise ValueError("familiar_tau: the fallback needs familiarity (the selector's class means and precision)")
+        if isinstance(familiar_tau, bool) or not float(familiar_tau) >= 0.0:
+            raise ValueError(f"familiar_tau must be a number >= 0, got {familiar_tau!r}")
 
     device = torch.device(device)
     models = {_G: global_model, **dict(enumerate(personalized))}
@@ -136,11 +162,17 @@ def evaluate_super_model(
             intensity = batch.get("intensity")
             seen = selector_view(images, intensity.to(device) if intensity is not None else None, selector_input)
             choices = _route_batch(selector(seen) / float(temperature), all_routes, num_sites, extra)
+            d2 = (min_mahalanobis(selector.embed(seen), familiarity["mean"], familiarity["precision"]).tolist()
+                  if familiarity is not None else [None] * n)
+            if familiar_tau is not None:  # unfamiliar images: the global model, whatever the selector says
+                far = torch.tensor([v > float(familiar_tau) for v in d2])
+                choices = {**{f"{r}{_RAW}": c for r, c in choices.items()},
+                           **{r: torch.where(far, torch.full_like(c, GLOBAL), c) for r, c in choices.items()}}
             needed = [set() for _ in range(n)]  # model keys whose prediction sample i must keep
             for i in range(n):
                 if has_label[i]:
                     needed[i].add(_G)
-                    needed[i].update(int(choices[r][i]) for r in routes)
+                    needed[i].update(int(c[i]) for c in choices.values())  # every route, with and without fallback
                     if own_index is not None:
                         needed[i].add(own_index)
                 if out_dir is not None:
@@ -156,7 +188,8 @@ def evaluate_super_model(
                     "has_label": has_label[i],
                     "preds": {k: preds[k][i] for k in needed[i]},
                     "label": batch["label"][i] > 0.5 if has_label[i] else None,
-                    "choice": {r: int(choices[r][i]) for r in all_routes},
+                    "choice": {r: int(c[i]) for r, c in choices.items()},
+                    "d2": d2[i],
                 })
 
     by_case: dict[tuple[str, str], list[dict]] = defaultdict(list)
@@ -175,11 +208,13 @@ def evaluate_super_model(
         "temperature": float(temperature),
         "predictions": None,
     }
-    for r in routes:
-        entry = case_dice(by_case, names, lambda s, r=r: s["choice"][r])
-        entry["selected"] = _selected(samples, r, num_sites)
-        entry["selection"] = [c / len(samples) for c in entry["selected"]]
-        result["super"][r] = entry
+    result["super"] = {r: _super_entry(by_case, names, samples, r, num_sites) for r in routes}
+    if familiarity is not None:
+        result["d2_min"] = [float(s["d2"]) for s in samples]
+    if familiar_tau is not None:
+        result["super_nofallback"] = {r: _super_entry(by_case, names, samples, r + _RAW, num_sites) for r in routes}
+        fell = sum(1 for s in samples if s["d2"] > float(familiar_tau))
+        result["fallback"] = {"tau": float(familiar_tau), "n_fallback": fell, "n_images": len(samples)}
     if out_dir is not None:
         write_predictions(by_case, names, save_route, Path(out_dir), label_encoding)
         result["predictions"] = str(out_dir)
@@ -209,6 +244,14 @@ def _route_batch(logits: torch.Tensor, route_keys: Sequence[str], num_sites: int
     if extra:
         return {EXTRA: route_extra(probs)}
     return {r: route(probs, float(r)) for r in route_keys}
+
+
+def _super_entry(by_case: dict, names: dict, samples: list[dict], route_key: str, num_sites: int) -> dict:
+    """Dice of the super model along one route, with its selection histogram (counts and fractions)."""
+    entry = case_dice(by_case, names, lambda s: s["choice"][route_key])
+    entry["selected"] = _selected(samples, route_key, num_sites)
+    entry["selection"] = [c / len(samples) for c in entry["selected"]]
+    return entry
 
 
 def _selected(samples: list[dict], route_key: str, num_sites: int) -> list[int]:

@@ -32,37 +32,51 @@ sample's update). Labels, where present, only score. Per-case Dice and the predi
 volume, PNG per 2D image) reuse ``pflseg.train.predictions``.
 
 Settings (:func:`settings`). ``iopfl.router`` names the variant; ``loss_weights``, ``norm_affine``, ``rot_flip``,
-``rest`` and ``lr_grid`` left null take that variant's own: ``paper`` (and the coefficient routers) the paper's
-(routers only, the paper's loss, no rot/flip, non-routed parameters averaged, Adam at ``iopfl.lr``, 1e-3);
-``refcode`` the reference code's profile (its 2-layer router, norm affine parameters trained, its loss weights,
-rot90/flip consistency, non-routed parameters from w_g, ``iopfl.lr``); ``normalised`` (ours, the default) the
-paper's loss and the rate chosen from ``GRID``. A value set explicitly wins. The step budget of every
-multi-pass method is ``iopfl.steps`` optimizer steps, or ``iopfl.epochs`` shuffled passes of
-ceil(n / ``iopfl.batch_size``) steps when ``steps`` is 0 (:func:`budget`).
+``rest``, ``lr_grid`` and ``lr_guard`` left null take that variant's own: ``paper`` (and the coefficient routers)
+the paper's (routers only, the paper's loss, no rot/flip, non-routed parameters averaged, Adam at ``iopfl.lr``,
+1e-3, no collapse guard); ``refcode`` the reference code's profile (its 2-layer router, norm affine parameters
+trained, its loss weights, rot90/flip consistency, non-routed parameters from w_g, ``iopfl.lr``, no guard);
+``normalised`` (ours, the default) the paper's loss, the rate chosen from ``GRID`` under the collapse guard
+``GUARD``. A value set explicitly wins. The step budget of every multi-pass method is ``iopfl.steps`` optimizer
+steps, or ``iopfl.epochs`` shuffled passes of ceil(n / ``iopfl.batch_size``) steps when ``steps`` is 0
+(:func:`budget`).
 
 Learning rate of the routers. A non-empty grid: each routed method tries every rate of the grid from
 the same start (same seed, same router init) for ``iopfl.lr_trial_steps`` steps (0 = the whole budget) and
-keeps the rate whose adapted model has the lowest FINAL unsupervised loss: the mean per-sample loss of one
-pass over all of the site's images in the seeded batches, with the same noise for every rate
-(:func:`final_loss`, :func:`choose_lr`); labels never choose. With a full-budget trial the winner's run is the
-result; with a shorter one the method then runs its whole budget at the chosen rate. Empty grid: ``iopfl.lr``
-(which Tent always uses). Each method's ``seconds`` include its trials. Measured on a tiny synthetic setting
-(64 x 64 images, 40 at the outside site, 50 steps, one seed): the paper's and the reference code's independent
-sigmoids collapse to near-empty predictions at 1e-2 and 1e-1 (their coefficient sums drift from 1, so a
-layer's kernel scale is free), and the collapse has by far the lowest unsupervised loss, so a grid would pick
-it: their variants keep ``iopfl.lr``. The normalised router cannot rescale a kernel; there the grid picked 1e-1
-and the predicted foreground fraction stayed put.
+measures, in one pass over all of the site's images in the seeded batches with the same noise for every rate,
+the FINAL unsupervised loss (mean per sample) and the predicted foreground fraction (:func:`final_loss`). With
+the collapse guard (``lr_guard`` > 0, :func:`choose_lr`, :func:`departs`) a rate whose foreground fraction
+departs from the starting model's by more than ``lr_guard`` times that fraction is refused; the lowest loss
+among the others wins, and the smallest rate when every one is refused. Without it (0) the lowest loss wins.
+With a full-budget trial the winner's run is the result; with a shorter one the method then runs its whole
+budget at the chosen rate. Empty grid: ``iopfl.lr`` (which Tent always uses). Then the guard checks the run
+that would be kept (:func:`route_with_lr`): when its final foreground departs too, the run is refused and the
+method keeps the starting model's predictions (for ``routing``: ``routing_step0``, i.e. ``average_bn``;
+``adaptation.refused``). Labels never choose. Each method's ``seconds`` include its trials.
+
+Why the guard: the unsupervised loss falls as the predicted foreground shrinks (a constant, confident map is
+consistent, smooth and certain), so the lowest loss picks a collapse. Measured on the bench preset (seed 0,
+validation outside sites outside the bench's own: a near copy of site 2 and an extrapolated site; 304 images
+each, 380 steps): every rate shrank the foreground, by 5-6 % (1e-3) to 16-22 % (1e-1) after the 30-step trials
+and by 18 % (1e-3), 23 % (1e-2), 22-26 % (1e-1) after the whole budget; the lowest loss picked 1e-1 (routing
+Dice 0.506 and 0.377 against 0.642 and 0.446 for the start, ``average_bn``), 1e-3 scored 0.508 and 0.398. The
+guard at 0.1 (or 0.05, or 0.15) refuses every whole run there and keeps the start. Earlier, on a tiny setting
+(64 x 64 images, 40 at the outside site, 50 steps): the paper's and the reference code's independent sigmoids
+collapse to near-empty predictions at 1e-2 and 1e-1 (their coefficient sums drift from 1, so a layer's kernel
+scale is free), with by far the lowest loss: their variants keep ``iopfl.lr``.
 
 Diagnostics (``result["diagnostics"]``; labels only score): the effective ``settings``; every expert alone
 under both treatments (``experts.dice`` / ``dice_bn``, with the comparators) and ||P_k - w_g|| / ||w_g|| over
 the routed layers' weights and biases (``experts.relative_distance``); per routed method (``adaptation``) the
-chosen rate, the grid's final losses, the steps, the unsupervised loss and the predicted foreground fraction at
-the start and at the end (a rate whose foreground collapses towards 0 has found the loss's trivial minimum: a
-constant, confident map is perfectly consistent, smooth and certain); and routing at step 0 under the same
-(batch-statistics) treatment next to ``average_bn`` and routing's own Dice (``start``). Per routed method,
-``coefficients`` also hold the movement from the start (mean |coef - coef_0| per routed layer, over images and
-experts) and the spread of each layer's coefficients over the images (0: that layer's router is
-input-independent, as the first layer's is on z-scored images).
+chosen rate, the grid's final losses, foreground fractions, agreements (the Dice of a rate's predictions with
+the starting model's, pooled over the site) and which the guard refused, the steps, the unsupervised loss and
+the predicted foreground fraction at the start and at the end of the run at the chosen rate, its agreement and
+whether the guard refused it (a foreground collapsing towards 0 is the loss's trivial minimum); and routing at
+step 0 under the same (batch-statistics) treatment next to ``average_bn`` and routing's own Dice (``start``).
+Per routed method, ``coefficients`` also hold the movement from the start (mean |coef - coef_0| per routed
+layer, over images and experts; 0 for a refused run, which keeps the start) and the spread of each layer's
+coefficients over the images (0: that layer's router is input-independent, as the first layer's is on
+z-scored images).
 """
 
 from __future__ import annotations
@@ -117,6 +131,8 @@ class StaticComparators(nn.Module):
     expert order; diagnostics, not methods).
     """
 
+    NAMES = ("global", "average", "ensemble", "global_bn", "average_bn", "ensemble_bn")
+
     def __init__(self, experts: Sequence[nn.Module]):
         super().__init__()
         average = copy.deepcopy(experts[-1])
@@ -136,23 +152,27 @@ class StaticComparators(nn.Module):
         return out
 
 
-#: what a router variant does where the config leaves a key null (module docstring); an empty lr_grid = iopfl.lr
+#: what a router variant does where the config leaves a key null (module docstring); an empty lr_grid = iopfl.lr,
+#: an lr_guard of 0 = no collapse guard
 GRID = [1e-3, 1e-2, 1e-1]
-_PAPER = {"loss_weights": "paper", "norm_affine": False, "rot_flip": False, "rest": "average", "lr_grid": []}
-VARIANTS = {"paper": _PAPER, "normalised": {**_PAPER, "lr_grid": GRID},
+GUARD = 0.1
+_PAPER = {"loss_weights": "paper", "norm_affine": False, "rot_flip": False, "rest": "average", "lr_grid": [],
+          "lr_guard": 0.0}
+VARIANTS = {"paper": _PAPER, "normalised": {**_PAPER, "lr_grid": GRID, "lr_guard": GUARD},
             "refcode": {"loss_weights": "refcode", "norm_affine": True, "rot_flip": True, "rest": "global",
-                        "lr_grid": []}}
+                        "lr_grid": [], "lr_guard": 0.0}}
 
 
 def settings(cfg: dict) -> dict:
     """The effective routing settings of the ``iopfl`` config section: ``router``, and ``loss_weights``,
-    ``norm_affine``, ``rot_flip``, ``rest``, ``lr_grid`` with null values taken from the router's variant
+    ``norm_affine``, ``rot_flip``, ``rest``, ``lr_grid``, ``lr_guard`` with null values taken from the router's variant
     (``VARIANTS``: ``refcode`` and ``normalised`` their own, every other router the paper's), the rates tried
     (``lr_grid``, [``lr``] when it is empty) and ``normalised`` (the coefficient routers of the ablations follow
     the ``normalised`` router)."""
     own = VARIANTS.get(cfg["router"], VARIANTS["paper"])
     out = {"router": cfg["router"], **{k: own[k] if cfg.get(k) is None else cfg[k] for k in own}}
     out["lr_grid"] = [float(x) for x in out["lr_grid"] or [cfg["lr"]]]
+    out["lr_guard"] = float(out["lr_guard"])
     out["normalised"] = cfg["router"] == "normalised"
     return out
 
@@ -212,52 +232,97 @@ def adapt(model: nn.Module, params: list, dataset: Dataset, device, weights: dic
 
 
 @torch.no_grad()
-def final_loss(model: nn.Module, dataset: Dataset, device, weights: dict, cfg: dict, seed: int) -> tuple[float, float]:
+def final_loss(model: nn.Module, dataset: Dataset, device, weights: dict, cfg: dict, seed: int,
+               reference: dict | None = None) -> tuple[float, float, float | None]:
     """Mean per-sample unsupervised loss of ``model`` (eval mode) over ``dataset``: one pass in the seeded
     shuffled batches of ``cfg["batch_size"]``, the noise seeded by ``seed`` (the same for every model).
 
+    Args:
+        reference: {sample key: (C, H, W) bool} (:func:`predict` of the starting model in the same batches), or None.
     Returns:
-        (the loss, the fraction of pixels predicted foreground: a label-free sign of a collapse).
+        (the loss, the fraction of pixels predicted foreground: a label-free sign of a collapse, and the agreement
+        with ``reference``: the Dice of the two predicted foregrounds pooled over every pixel of the site, 1.0 when
+        both are empty; None without a reference).
     """
     was_training = model.training
     model.eval()
     seed_everything(seed)
-    total, count, foreground = 0.0, 0, 0.0
+    total, count, foreground, overlap, sizes = 0.0, 0, 0.0, 0.0, 0.0
     try:
         for batch in make_loader(dataset, cfg["batch_size"], shuffle=True, seed=seed):
             loss, probs = unsupervised_loss(model, batch["image"].to(device), weights, cfg["noise_std"],
                                             cfg["rot_flip"], cfg["shape_radius"])
             total += float(loss.double().sum())
-            foreground += float((probs > 0.5).flatten(1).double().mean(1).sum())
+            pred = (probs > 0.5).cpu()
+            foreground += float(pred.flatten(1).double().mean(1).sum())
             count += loss.shape[0]
+            if reference is not None:
+                ref = torch.stack([reference[_key(batch, i)] for i in range(pred.shape[0])])
+                overlap += float((pred & ref).sum())
+                sizes += float(pred.sum() + ref.sum())
     finally:
         model.train(was_training)
-    return total / count, foreground / count
+    agreement = None if reference is None else (2 * overlap / sizes if sizes else 1.0)
+    return total / count, foreground / count, agreement
 
 
-def choose_lr(grid: Sequence[float], trial) -> tuple[float, list[dict]]:
-    """The rate of ``grid`` whose ``trial(lr)`` (its final unsupervised loss) is lowest; ties keep the first,
-    a non-finite loss never wins. Returns (rate, [{"lr", "final_loss"} per rate, grid order])."""
-    losses = [{"lr": float(lr), "final_loss": float(trial(lr))} for lr in grid]
-    finite = [x for x in losses if math.isfinite(x["final_loss"])]
+def departs(foreground: float, start: float, tolerance: float) -> bool:
+    """Whether a predicted foreground fraction has left the starting model's by more than ``tolerance``, relative:
+    |foreground - start| > tolerance * start (a start of 0 tolerates only 0; a non-finite fraction departs).
+    ``tolerance`` 0 = no guard: nothing departs."""
+    if not tolerance:
+        return False
+    return not math.isfinite(foreground) or abs(foreground - start) > tolerance * start
+
+
+def choose_lr(grid: Sequence[float], trial, start_foreground: float = 0.0, tolerance: float = 0.0
+              ) -> tuple[float, list[dict]]:
+    """The rate of ``grid`` to adapt at, from ``trial(lr)`` -> (final unsupervised loss, final foreground fraction).
+
+    With the collapse guard (``tolerance`` > 0) a rate whose foreground :func:`departs` from ``start_foreground``
+    is refused; the lowest loss among the rest wins, and when every rate is refused the smallest rate (the
+    gentlest; the caller then checks its full run again). ``tolerance`` 0: the lowest loss wins. Ties keep the
+    first; a non-finite loss never wins.
+
+    Returns:
+        (rate, [{"lr", "final_loss", "foreground", "refused"} per rate, grid order]).
+    """
+    table = []
+    for lr in grid:
+        loss, foreground = trial(lr)
+        table.append({"lr": float(lr), "final_loss": float(loss), "foreground": float(foreground),
+                      "refused": departs(float(foreground), start_foreground, tolerance)})
+    finite = [x for x in table if math.isfinite(x["final_loss"])]
     if not finite:
         raise FloatingPointError(f"routing: the unsupervised loss is not finite at any rate of iopfl.lr_grid "
                                  f"{list(grid)}; lower the rates")
-    return min(finite, key=lambda x: x["final_loss"])["lr"], losses
+    kept = [x for x in finite if not x["refused"]]
+    if kept:
+        return min(kept, key=lambda x: x["final_loss"])["lr"], table
+    return min(x["lr"] for x in finite), table
 
 
 def _trainable(routed: nn.Module, norm_affine: bool) -> list:
     return router_parameters(routed) + (norm_affine_parameters(routed) if norm_affine else [])
 
 
-def route_with_lr(build, dataset: Dataset, device, weights: dict, cfg: dict, seed: int) -> tuple[nn.Module, dict]:
+def route_with_lr(build, dataset: Dataset, device, weights: dict, cfg: dict, seed: int, start_foreground: float,
+                  reference: dict | None = None) -> tuple[nn.Module, dict]:
     """Adapt the routed model ``build()`` makes at the rate :func:`choose_lr` picks from the grid (module
-    docstring), or at the one rate. Every model is built after ``seed_everything(seed)`` (one router init).
+    docstring), or at the one rate, under the collapse guard of ``lr_guard`` (:func:`settings`): the whole run
+    at that rate is refused when its final foreground :func:`departs` from ``start_foreground`` (the starting
+    model's); the caller then keeps the starting model. Every model is built after ``seed_everything(seed)``
+    (one router init).
+
+    Args:
+        start_foreground: the starting model's predicted foreground fraction (:func:`final_loss`).
+        reference: the starting model's :func:`predict` (the agreement diagnostic), or None.
 
     Returns:
-        (the adapted model, {"best", "seconds" (trials included), "steps", "visits", "run_seconds" (the kept
-        run), "lr", "lr_grid": [{"lr", "final_loss", "foreground"}] after ``lr_trial_steps`` (None for one
-        rate), "final_loss", "foreground"}).
+        (the adapted model, or the starting model when refused, {"best", "seconds" (trials included), "steps",
+        "visits", "run_seconds" (the run at the rate), "lr", "lr_grid": [{"lr", "final_loss", "foreground",
+        "refused", "agreement"}] after ``lr_trial_steps`` (None for one rate), "final_loss", "foreground" and
+        "agreement" of the run at the rate, "refused"}).
     """
     s = settings(cfg)
     steps = budget(len(dataset), cfg)
@@ -268,27 +333,35 @@ def route_with_lr(build, dataset: Dataset, device, weights: dict, cfg: dict, see
         seed_everything(seed)
         model = build().to(device)
         out = adapt(model, _trainable(model, s["norm_affine"]), dataset, device, weights, cfg, seed, lr, n)
-        out["final_loss"], out["foreground"] = final_loss(model, dataset, device, weights, cfg, seed)
+        out["final_loss"], out["foreground"], out["agreement"] = final_loss(model, dataset, device, weights, cfg, seed,
+                                                                            reference)
         return model, out
 
     def trial(lr):
         runs[lr] = run(lr, trial_steps)
-        return runs[lr][1]["final_loss"]
+        return runs[lr][1]["final_loss"], runs[lr][1]["foreground"]
+
+    def guarded(model, out):
+        out["refused"] = departs(out["foreground"], start_foreground, s["lr_guard"])
+        if out["refused"]:
+            seed_everything(seed)
+            model = build().to(device)
+        return model, out
 
     grid = s["lr_grid"]
     if len(grid) == 1:
         model, out = run(grid[0], steps)
-        return model, {**out, "run_seconds": out["seconds"], "lr": grid[0], "lr_grid": None}
-    lr, losses = choose_lr(grid, trial)
+        return guarded(model, {**out, "run_seconds": out["seconds"], "lr": grid[0], "lr_grid": None})
+    lr, losses = choose_lr(grid, trial, start_foreground, s["lr_guard"])
     for entry in losses:
-        entry["foreground"] = runs[entry["lr"]][1]["foreground"]
+        entry["agreement"] = runs[entry["lr"]][1]["agreement"]
     spent = sum(r[1]["seconds"] for r in runs.values())
     model, out = runs[lr] if trial_steps == steps else run(lr, steps)
     runs.clear()
     run_seconds = out["seconds"]
     if trial_steps != steps:
         spent += run_seconds
-    return model, {**out, "seconds": spent, "run_seconds": run_seconds, "lr": lr, "lr_grid": losses}
+    return guarded(model, {**out, "seconds": spent, "run_seconds": run_seconds, "lr": lr, "lr_grid": losses})
 
 
 def tent(model: nn.Module, dataset: Dataset, device, cfg: dict, seed: int,
@@ -375,7 +448,7 @@ def mean_coefficients(routed: nn.Module, dataset: Dataset, device, batch_size: i
 
 
 def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Dataset, device, cfg: dict, seed: int = 0,
-               out_dir: str | Path | None = None, label_encoding: str = "nested", comparators: bool = True,
+               out_dir: str | Path | None = None, label_encoding: str = "nested", comparators: bool | list = True,
                batch_size: int = 32) -> dict:
     """Route ``dataset`` through the bundle and score every method (see the module docstring).
 
@@ -388,7 +461,7 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
             method's test batch.
         seed: the shuffled order of the batches (the same for every method), the router init and the noise.
         out_dir: where the routing predictions are written (one file per case).
-        comparators: score every method of ``METHODS``; False: routing only.
+        comparators: True: score every method of ``METHODS``; False: routing only; a list: routing and these.
         batch_size: batch of :func:`mean_coefficients` (no gradient).
 
     Returns:
@@ -407,12 +480,15 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
     weights = loss_weights(s["loss_weights"], cfg["beta"], cfg["batch_size"])
     cfg = {**cfg, "rot_flip": s["rot_flip"]}
     steps = budget(len(dataset), cfg)
-    methods = list(METHODS) if comparators else ["routing"]
+    unknown = [m for m in comparators if m not in METHODS] if isinstance(comparators, list) else []
+    if unknown:
+        raise ValueError(f"iopfl.comparators: unknown {unknown}; known: {', '.join(METHODS)}")
+    methods = [m for m in METHODS if m == "routing" or comparators is True or (comparators and m in comparators)]
     preds: dict[str, dict] = defaultdict(dict)
     seconds: dict[str, float] = {}
 
     # one pass in the adaptive methods' batches: labels, and the non-adaptive comparators in both treatments
-    static = StaticComparators(all_experts).to(device) if comparators else None
+    static = StaticComparators(all_experts).to(device) if set(methods) & set(StaticComparators.NAMES) else None
     samples: dict[tuple, dict] = {}
     t0 = time.time()
     for batch in make_loader(dataset, cfg["batch_size"], shuffle=True, seed=seed):
@@ -437,17 +513,20 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
         seed_everything(seed)
         start = build().to(device)  # the routers' common start (one init for every rate)
         coef_0 = sample_coefficients(start, dataset, device, batch_size)
-        start_loss, start_foreground = final_loss(start, dataset, device, weights, cfg, seed)
+        start_loss, start_foreground, _ = final_loss(start, dataset, device, weights, cfg, seed)
+        start_preds = predict(start, dataset, device, cfg["batch_size"], seed)
         if name == "routing":
-            preds["routing_step0"] = predict(start, dataset, device, cfg["batch_size"], seed)
+            preds["routing_step0"] = start_preds
         del start
-        routed, run = route_with_lr(build, dataset, device, weights, cfg, seed)
-        preds[name], seconds[name] = run["best"].pred, run["seconds"]
+        routed, run = route_with_lr(build, dataset, device, weights, cfg, seed, start_foreground, start_preds)
+        preds[name] = start_preds if run["refused"] else run["best"].pred  # refused: the starting model's
+        seconds[name] = run["seconds"]
         kept_seconds[name] = run["run_seconds"] / run["visits"]
         coefficients[name] = mean_coefficients(routed, dataset, device, batch_size, start=coef_0)
         adaptation[name] = {"lr": run["lr"], "lr_grid": run["lr_grid"], "steps": run["steps"],
                             "start_loss": start_loss, "final_loss": run["final_loss"],
-                            "start_foreground": start_foreground, "foreground": run["foreground"]}
+                            "start_foreground": start_foreground, "foreground": run["foreground"],
+                            "agreement": run["agreement"], "refused": run["refused"]}
     tent_note = None
     tent_steps = {"tent": None, "tent_epochs": steps}
     for name in [m for m in methods if m in tent_steps]:
@@ -459,7 +538,7 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
         preds[name], seconds[name] = adapted["best"].pred, adapted["seconds"]
 
     extra = ["routing_step0"]
-    if comparators:
+    if static is not None:
         extra += [f"expert{e}{t}" for e in range(len(all_experts)) for t in ("", "_bn")]
     by_case: dict[tuple, list] = defaultdict(list)
     for key, smp in samples.items():
@@ -488,10 +567,10 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
                      "loss_weights_values": weights, "shape": "sum over pixels"},
         "experts": {"names": expert_names, "relative_distance": relative_distances(all_experts),
                     **({"dice": [dice(f"expert{e}") for e in range(len(all_experts))],
-                        "dice_bn": [dice(f"expert{e}_bn") for e in range(len(all_experts))]} if comparators else {})},
+                        "dice_bn": [dice(f"expert{e}_bn") for e in range(len(all_experts))]} if static is not None else {})},
         "adaptation": adaptation,
         "start": {"routing": result["methods"]["routing"]["dice"], "routing_step0": dice("routing_step0"),
-                  **({"average_bn": result["methods"]["average_bn"]["dice"]} if comparators else {})},
+                  **({"average_bn": dice("average_bn")} if "average_bn" in methods else {})},
     }
     if out_dir is not None:
         write_predictions(by_case, names, "routing", Path(out_dir), label_encoding)

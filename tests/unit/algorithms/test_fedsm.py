@@ -12,7 +12,9 @@ from pflseg.algorithms.fedsm import (
     class_statistics,
     extra_class_of_site,
     flatten_optimizer_state,
+    lda_gaussians,
     lda_head,
+    min_mahalanobis,
     nll_at_temperatures,
     pooled_adam_step,
     route,
@@ -270,6 +272,45 @@ def test_lda_head_never_picks_a_class_without_samples():
     weight, bias = lda_head(stats, shrinkage=0.1)
     assert torch.all(weight[1] == 0) and bias[1] < -1e8
     assert ((torch.randn(50, 2) @ weight.T + bias).argmax(1) != 1).all()
+
+
+def test_lda_gaussians_are_the_means_and_the_inverse_shrunk_covariance_computed_directly():
+    torch.manual_seed(1)
+    x = torch.randn(30, 4, dtype=torch.float64) * torch.tensor([1.0, 2.0, 0.5, 3.0], dtype=torch.float64)
+    y = torch.tensor([0] * 10 + [2] * 20)  # class 1 absent
+    stats = add_statistics([class_statistics(x[:12], y[:12], 3), class_statistics(x[12:], y[12:], 3)])
+    g = lda_gaussians(stats, shrinkage=0.2)
+    mu = torch.stack([x[y == 0].mean(0), x[y == 2].mean(0)])
+    centred = torch.cat([x[y == 0] - mu[0], x[y == 2] - mu[1]])
+    cov = centred.T @ centred / len(x)  # pooled within-class covariance, 1 / N as lda_head
+    shrunk = 0.8 * cov + 0.2 * torch.trace(cov) / 4 * torch.eye(4, dtype=torch.float64)
+    assert torch.allclose(g["mean"], mu) and torch.allclose(g["precision"], torch.linalg.inv(shrunk))
+    assert g["mean"].is_contiguous() and g["precision"].is_contiguous()  # FLARE refuses to send a strided view
+    # the same geometry as the head: W_c = P mu_c
+    weight, _ = lda_head(stats, shrinkage=0.2)
+    assert torch.allclose(weight[[0, 2]].double(), mu @ g["precision"], atol=1e-4)
+
+
+def test_min_mahalanobis_is_the_squared_distance_to_the_nearest_class_mean():
+    torch.manual_seed(2)
+    a = torch.randn(4, 4, dtype=torch.float64)
+    precision = a @ a.T + torch.eye(4, dtype=torch.float64)
+    mean, phi = torch.randn(3, 4, dtype=torch.float64), torch.randn(7, 4)
+    d2 = min_mahalanobis(phi, mean, precision)
+    direct = torch.tensor([min(float((f.double() - m) @ precision @ (f.double() - m)) for m in mean) for f in phi],
+                          dtype=torch.float64)
+    assert d2.dtype == torch.float64 and torch.allclose(d2, direct)
+    assert torch.allclose(min_mahalanobis(mean, mean, precision), torch.zeros(3, dtype=torch.float64), atol=1e-12)
+    with pytest.raises(ValueError, match="must agree"):
+        min_mahalanobis(phi, mean[:, :3], precision)
+
+
+def test_lda_gaussians_reject_bad_shrinkage_and_empty_statistics():
+    stats = class_statistics(torch.randn(6, 2), torch.tensor([0, 0, 0, 1, 1, 1]), 2)
+    with pytest.raises(ValueError, match="shrinkage"):
+        lda_gaussians(stats, shrinkage=0.0)
+    with pytest.raises(ValueError, match="no class"):
+        lda_gaussians({k: v * 0 for k, v in stats.items()}, shrinkage=0.1)
 
 
 # ---------------------------------------------------------------- selector input

@@ -54,3 +54,66 @@ def test_metrics_table_names_sites_left_out():
     table = metrics_table(res)
     assert "| site-1 | - | 0.6100 | 0.5000 |" in table and "| site-2 | - | - | - |" in table
     assert "left out: site-2: no result" in table
+
+
+def _built_kits(tmp_path, **args):
+    """PflsegBuilder run on the repo project's participants (stand-ins for FLARE's project and context), each
+    kit's local/ holding what FLARE's StaticFileBuilder writes before it."""
+    from types import SimpleNamespace
+
+    from pflseg.deploy.provision import PflsegBuilder
+
+    project = yaml.safe_load(REPO_PROJECT.read_text())
+    people = [SimpleNamespace(**p) for p in project["participants"]]
+    server = next(p for p in people if p.type == "server")
+    clients = [p for p in people if p.type == "client"]
+    for p in (server, *clients):
+        local = tmp_path / p.name / "local"
+        local.mkdir(parents=True)
+        res = {"format_version": 2, "allow_log_streaming": True, "components": []}
+        if p is server:
+            res = {"format_version": 2, "snapshot_persistor": {"args": {"storage": {"args": {"root_dir": "/tmp"}}}},
+                   "components": [{"id": "job_manager", "args": {"uri_root": "/tmp"}}]}
+        (local / "resources.json.default").write_text(json.dumps(res))
+    ctx = SimpleNamespace(get_local_dir=lambda p: str(tmp_path / p.name / "local"))
+    PflsegBuilder(storage_root=str(tmp_path / "storage"), **args).build(
+        SimpleNamespace(get_server=lambda: server, get_clients=lambda: clients), ctx)
+    return project, server, clients
+
+
+def _allowed(local, site_org, right, user):
+    from nvflare.fuel.sec.authz import AuthzContext, Person
+    from nvflare.security.security import FLAuthorizer
+
+    policy = json.loads((local / "authorization.json.default").read_text())
+    ok, _ = FLAuthorizer(site_org, policy).authorize(AuthzContext(right=right, user=Person(*user), submitter=Person(*user)))
+    return ok
+
+
+def test_every_kit_gets_the_site_policy_no_byoc_no_shell_across_orgs(tmp_path):
+    """Issue 23 item 1: FLARE's default policy (kept before) gave lead byoc "any" and project_admin shell
+    commands at every site."""
+    project, server, clients = _built_kits(tmp_path)
+    admins = {p["name"]: (p["name"], p["org"], p["role"]) for p in project["participants"] if p["type"] == "admin"}
+    lead, admin, viewer = admins["lead@hospital1.org"], admins["admin@pflseg.org"], admins["viewer@hospital2.org"]
+    for p in (server, *clients):
+        local = tmp_path / p.name / "local"
+        for user in admins.values():
+            assert not _allowed(local, p.org, "byoc", user), (p.name, user)  # no custom code from anyone
+        own = {"shell": p.org == "hospital_1"}  # the lead's own organisation
+        for cmd in ("ls", "cat", "grep", "tail"):
+            assert _allowed(local, p.org, cmd, lead) == own["shell"], (p.name, cmd)
+            assert _allowed(local, p.org, cmd, admin) == (p.org == "pflseg"), (p.name, cmd)
+        assert _allowed(local, p.org, "submit_job", lead) and _allowed(local, p.org, "submit_job", admin)
+        assert not _allowed(local, p.org, "submit_job", viewer)
+        assert _allowed(local, p.org, "shutdown", admin)  # `pflseg deploy stop` still stops every site
+    for c in clients:  # FLARE 2.9's kits stream site logs to the server: off at every site
+        assert json.loads((tmp_path / c.name / "local" / "resources.json.default").read_text())["allow_log_streaming"] is False
+
+
+def test_byoc_can_be_granted_to_the_own_organisation_only(tmp_path):
+    project, server, clients = _built_kits(tmp_path, byoc="o:site")
+    lead = ("lead@hospital1.org", "hospital_1", "lead")
+    assert [_allowed(tmp_path / c.name / "local", c.org, "byoc", lead) for c in clients] == [True, False, False]
+    with pytest.raises(ValueError, match="byoc='yes'"):
+        _built_kits(tmp_path / "x", byoc="yes")

@@ -4,12 +4,13 @@ post-training bundles read), and FedSM's gamma is chosen on validation, never on
 import json
 import math
 
+import pytest
 import torch
 from nvflare.apis.signal import Signal
 from nvflare.app_common.abstract.fl_model import FLModel
 
 from pflseg.algorithms.fedsm import TEMPERATURES
-from pflseg.config import load_job_config
+from pflseg.config import ConfigError, load_job_config
 from pflseg.flare.controllers.fedsm import choose_gamma, selection_report
 from pflseg.flare.methods import METHODS
 from pflseg.flare.state import RoundStore, unprefixed
@@ -132,3 +133,98 @@ def test_selection_report_names_the_models_at_the_reference_and_the_chosen_gamma
     assert out["selected"]["gamma"] == 0.5
     assert out["selected"]["sites"]["site-3"]["selected"] == {"global": 4, "site-1": 0, "site-2": 8}
     assert selection_report({"site-1": {"super": {"extra": {}}}}, ["site-1"], 0.9, None) == {}
+
+
+def trained_bundle(tmp_path, monkeypatch):
+    """A FedSM (lda) run of three stubbed sites, finished: its final checkpoint holds ldastats.* and bestselect.*."""
+    ctrl = make("fedsm", tmp_path, monkeypatch)
+    ctrl.store = RoundStore(tmp_path / "server" / "fedsm")
+    ctrl.get_run_dir = lambda: str(tmp_path / "run")
+    ctrl.abort_signal = Signal()
+
+    def reply(site, data):
+        task = stub.sent[-1][0]
+        if task == "train":
+            answer = lda_answer(ctrl, site, data)
+            answer.metrics.update({"selector_val_acc": 0.9, "val_dice_person": 0.1})
+            return answer
+        if task == "validate":
+            return FLModel(params={}, metrics={"val_dice": 0.1, "val_dice_person": 0.1})
+        return FLModel(params={}, metrics={"test": {"site": {"dice": 0.5}}})
+
+    stub = Stub(ctrl, reply)
+    run_job(ctrl)
+    return ctrl.store
+
+
+VALIDATION_D2 = {"site-1": [1.0, 2.0, 3.0], "site-2": [4.0, 5.0], "site-3": [6.0, 7.0, 8.0, 9.0]}
+
+
+def run_infer(store, tmp_path, **fedsm):
+    """The fedsm_infer controller on the bundle, inside sites 1-3 and outside site-4, sites stubbed: what each site
+    was sent (in order) and the results."""
+    cfg = load_job_config("fedsm_infer", overrides={**TINY, "fedsm": {"bundle": str(store.root), **fedsm}})
+    infer = METHODS["fedsm_infer"].controller(config=cfg)
+    infer.sample_clients = lambda: ["site-1", "site-2", "site-3", "site-4"]
+    infer.get_run_dir = lambda: str(tmp_path / "run_infer")
+    infer.info = infer.warning = infer.error = infer.panic = lambda msg: said.append(msg)
+    said = []
+
+    def reply(site, data):
+        result = {"super": {"0.9": {"dice": 0.7, "selected": [1, 2, 0, 0]}}, "inside": site != "site-4"}
+        if site != "site-4":
+            result["validation"] = {"0.9": {"dice": 0.8}}
+            if unprefixed("familiar", data.params):
+                result["validation_d2_min"] = VALIDATION_D2[site]
+        elif "familiar_tau" in data.meta:
+            result.update({"super_nofallback": {"0.9": {"dice": 0.6, "selected": [0, 3, 0, 0]}},
+                           "fallback": {"tau": data.meta["familiar_tau"], "n_fallback": 1, "n_images": 3}})
+        return FLModel(params={}, metrics={"infer": result})
+
+    sent = Stub(infer, reply).sent
+    infer.run()
+    return sent, json.loads((infer.store.root / "results.json").read_text()), said
+
+
+def test_infer_sets_tau_from_the_inside_validation_then_sends_it_to_the_outside_sites(tmp_path, monkeypatch):
+    from pflseg.algorithms.fedsm import add_statistics, lda_gaussians
+
+    store = trained_bundle(tmp_path, monkeypatch)
+    sent, results, said = run_infer(store, tmp_path, familiar_quantile=0.5)
+    assert [site for _, site, _ in sent] == ["site-1", "site-2", "site-3", "site-4"]  # inside first, then outside
+    values = [v for d in VALIDATION_D2.values() for v in d]
+    tau = float(torch.quantile(torch.tensor(values, dtype=torch.float64), 0.5))
+    assert all("familiar_tau" not in msg.meta for _, site, msg in sent if site != "site-4")
+    (outside,) = [msg for _, site, msg in sent if site == "site-4"]
+    assert outside.meta["familiar_tau"] == tau == 5.0
+    final = store.final()
+    expected = lda_gaussians(add_statistics([unprefixed(f"ldastats.{s}", final) for s in ("site-1", "site-2", "site-3")]),
+                             load_job_config("fedsm_infer")["fedsm"]["lda_shrinkage"])
+    for _, _, msg in sent:  # the LDA's Gaussians of the bundle's statistics, to every site
+        assert all(torch.equal(unprefixed("familiar", msg.params)[k], expected[k]) for k in ("mean", "precision"))
+    fam = results["familiarity"]
+    assert fam["enabled"] and fam["tau"] == 5.0 and fam["quantile"] == 0.5 and fam["n_validation"] == len(values)
+    assert fam["sites"] == {"site-4": {"n_fallback": 1, "n_images": 3, "dice": 0.7, "dice_nofallback": 0.6}}
+    assert results["test_at_gamma"]["site-4"] == 0.7  # the reported super model is the one with the fallback
+    assert not any("validation_d2_min" in r for r in results["infer"].values())
+    assert any("tau = 5" in line for line in said)
+
+
+def test_infer_without_the_fallback_is_one_phase_and_says_why(tmp_path, monkeypatch):
+    store = trained_bundle(tmp_path, monkeypatch)
+    sent, results, said = run_infer(store, tmp_path, familiar_fallback=False)
+    assert not any(unprefixed("familiar", msg.params) or "familiar_tau" in msg.meta for _, _, msg in sent)
+    assert results["familiarity"]["enabled"] is False and "familiar_fallback" in results["familiarity"]["reason"]
+    # a bundle without LDA statistics (a softmax selector): no fallback, said in the log
+    final = store.final()
+    torch.save({k: v for k, v in final.items() if not k.startswith("ldastats.")}, store.final_path)
+    sent, results, said = run_infer(store, tmp_path / "again")
+    assert not any(unprefixed("familiar", msg.params) or "familiar_tau" in msg.meta for _, _, msg in sent)
+    assert "no LDA statistics" in results["familiarity"]["reason"]
+    assert any("familiarity fallback: none" in line and "no LDA statistics" in line for line in said)
+
+
+def test_familiar_quantile_out_of_range_is_named():
+    for bad in (0.0, 1.5):
+        with pytest.raises(ConfigError, match="fedsm.familiar_quantile"):
+            load_job_config("fedsm_infer", overrides={"fedsm": {"familiar_quantile": bad}})

@@ -271,6 +271,37 @@ def test_extra_route_uses_the_k_plus_one_class_rule():
     assert out["super"]["extra"]["per_case"] == {"c0": [1.0], "c1": [0.0], "c2": [0.0], "c3": [0.0]}
 
 
+class EmbeddingSelector(ImageSelector):
+    """ImageSelector whose features (``embed``) are the image's row 3, columns 0..1."""
+
+    def embed(self, x):
+        return x[:, 0, 3, :2].clone()
+
+
+def test_unfamiliar_images_fall_back_to_the_global_model_at_every_gamma(routed_dataset, tmp_path):
+    glob, pers = three_models()
+    for i, far in enumerate([0.0, 3.0, 0.5, 0.0]):  # sample 1 (confidently personalized 1) is far from every class
+        routed_dataset[i]["image"][0, 3, 0] = far
+    familiarity = {"mean": torch.tensor([[0.0, 0.0], [0.0, 10.0]], dtype=torch.float64),
+                   "precision": torch.eye(2, dtype=torch.float64)}
+    kw = dict(gammas=(0.0, 0.5), familiarity=familiarity)
+    plain = evaluate_super_model(glob, pers, EmbeddingSelector(3), routed_dataset, CPU, **kw)
+    assert plain["d2_min"] == pytest.approx([0.0, 9.0, 0.25, 0.0]) and "super_nofallback" not in plain
+    out = evaluate_super_model(glob, pers, EmbeddingSelector(3), routed_dataset, CPU, **kw, familiar_tau=1.0,
+                               out_dir=tmp_path, save_gamma=0.0)
+    assert out["fallback"] == {"tau": 1.0, "n_fallback": 1, "n_images": 4}
+    for g in ("0.0", "0.5"):  # without the fallback: as before; with it: sample 1 moves to the global model
+        assert out["super_nofallback"][g]["selected"] == plain["super"][g]["selected"]
+        assert out["super_nofallback"][g]["dice"] == plain["super"][g]["dice"]
+        assert out["super"][g]["selected"][0] == plain["super"][g]["selected"][0] + 1
+        assert out["super"][g]["selected"][2] == plain["super"][g]["selected"][2] - 1
+    assert out["super"]["0.0"]["per_case"]["c1"] == [0.0] and plain["super"]["0.0"]["per_case"]["c1"] == [1.0]
+    written = np.asarray(Image.open(tmp_path / "c1.png"))
+    assert written[0, 0] == 1 and written[2, 2] == 0  # the written prediction is the fallback's (global's pixel)
+    with pytest.raises(ValueError, match="familiar_tau"):
+        evaluate_super_model(glob, pers, EmbeddingSelector(3), routed_dataset, CPU, familiar_tau=1.0)
+
+
 @pytest.mark.parametrize(
     "kwargs, selector_classes, match",
     [

@@ -28,7 +28,15 @@ import math
 import torch
 
 from pflseg.algorithms.fedavg import weighted_average
-from pflseg.algorithms.fedsm import TEMPERATURES, add_statistics, average_moments, best_temperature, lda_head, pooled_adam_step
+from pflseg.algorithms.fedsm import (
+    TEMPERATURES,
+    add_statistics,
+    average_moments,
+    best_temperature,
+    lda_gaussians,
+    lda_head,
+    pooled_adam_step,
+)
 from pflseg.algorithms.softpull import check_lam, softpull
 from pflseg.flare.controllers.base import PostTrainingController, RoundController, is_number
 from pflseg.flare.state import RoundStore, prefixed, unprefixed
@@ -225,7 +233,15 @@ class FedSMInferenceController(PostTrainingController):
     and super model for every gamma, with how many images each model got (the selection histogram).
     The selector is the bundle's best by validation (``bestselect.*``, with its temperature, input rule and
     head from ``best_selector``; a bundle without them: its last selector, T = 1, z-scored input, mlp head).
-    ``fedsm.bundle`` must lie inside the server's state root (``PostTrainingController.bundle_folder``)."""
+    ``fedsm.bundle`` must lie inside the server's state root (``PostTrainingController.bundle_folder``).
+
+    Familiarity fallback (``fedsm.familiar_fallback``, lda selectors: the bundle's pooled ``ldastats``): two
+    phases. The inside sites are sent ``infer`` first, with the LDA Gaussians of the selector's features
+    (``lda_gaussians``); each returns its validation images' d2_min (``min_mahalanobis``) beside its scores. The
+    threshold tau is the ``fedsm.familiar_quantile`` quantile of the pooled inside-validation d2_min; the sites
+    outside the bundle are then sent ``infer`` with tau (meta ``familiar_tau``): an image farther than tau from
+    every class goes to the global model whatever the selector says. A bundle without statistics (softmax
+    selector) or with statistics of other features than its selector's: no fallback, said in the log."""
 
     task_metrics = {"infer": {"infer": "dict"}}
 
@@ -243,14 +259,66 @@ class FedSMInferenceController(PostTrainingController):
         selector = unprefixed("bestselect", ckpt) or unprefixed("select", ckpt)
         info = dict(ckpt.get("best_selector") or {}) if unprefixed("bestselect", ckpt) else {}
         meta = {"selector_temperature": float(info.get("temperature", 1.0)), "selector_input": info.get("input", "zscore")}
+        familiar, why_not = self.familiarity(ckpt, inside, selector)
         payload = {**prefixed("global", best), **person, **prefixed("select", selector)}
         self.info(f"super model from {source}: inside sites {inside}; selector of round {info.get('round', 'last')} "
                   f"(T = {meta['selector_temperature']:.3g}, input {meta['selector_input']}); sending to {self.sites}")
-        res = self.send_each("infer", {s: self.message(0, payload, inside_sites=inside, **meta) for s in self.sites})
-        infer = {s: r.metrics["infer"] for s, r in res.items()}
+        send = lambda sites, params, **more: self.send_each(  # noqa: E731
+            "infer", {s: self.message(0, params, inside_sites=inside, **meta, **more) for s in sites}) if sites else {}
+        if not familiar:  # one phase, every site at once
+            self.info(f"familiarity fallback: none ({why_not})")
+            res, report = send(self.sites, payload), {"enabled": False, "reason": why_not}
+        else:  # the inside sites first: their validation distances set tau for the sites outside the bundle
+            res = send([s for s in self.sites if s in inside], {**payload, **prefixed("familiar", familiar)})
+            tau, report = self.familiar_threshold({s: r.metrics["infer"] for s, r in res.items()})
+            outside = [s for s in self.sites if s not in inside]
+            if tau is None:
+                res = {**res, **send(outside, payload)}
+            else:
+                res = {**res, **send(outside, {**payload, **prefixed("familiar", familiar)}, familiar_tau=tau)}
+        infer = {s: r.metrics["infer"] for s, r in sorted(res.items())}
+        for r in infer.values():
+            r.pop("validation_d2_min", None)  # consumed: tau and the number of values are in the report
         gamma = choose_gamma(infer)
+        if report.get("enabled"):
+            report = {**report, **familiar_report(infer, gamma.get("gamma_selected"))}
         return {"inside_sites": inside, "bundle": str(source), "infer": infer, "selector": {**info, **meta}, **gamma,
+                "familiarity": report,
                 **selection_report(infer, inside, self.cfg["fedsm"]["gamma"], gamma.get("gamma_selected"))}
+
+    def familiarity(self, ckpt: dict, inside: list[str], selector: dict) -> tuple[dict, str]:
+        """``({"mean", "precision"}, "")`` of the selector's features (``lda_gaussians`` of the bundle's pooled
+        ``ldastats``, ``fedsm.lda_shrinkage``), or ``({}, why there is no fallback)``."""
+        fedsm = self.cfg["fedsm"]
+        if not fedsm["familiar_fallback"]:
+            return {}, "fedsm.familiar_fallback is false: the selector alone routes every image"
+        stats = [st for st in (unprefixed(f"ldastats.{s}", ckpt) for s in inside) if st]
+        if not stats:
+            return {}, ("the bundle holds no LDA statistics (ldastats.*: a softmax selector): the selector alone "
+                        "routes every image")
+        pooled, weight = add_statistics(stats), selector.get("classifier.weight")
+        if weight is None or tuple(pooled["sum"].shape) != tuple(weight.shape):
+            shape = None if weight is None else tuple(weight.shape)
+            return {}, (f"the bundle's LDA statistics (classes x features {tuple(pooled['sum'].shape)}) do not describe "
+                        f"its selector's head ({shape}): the selector alone routes every image")
+        return lda_gaussians(pooled, fedsm["lda_shrinkage"]), ""
+
+    def familiar_threshold(self, inside: dict) -> tuple[float | None, dict]:
+        """tau = the ``fedsm.familiar_quantile`` quantile of the inside sites' pooled validation d2_min, and the report
+        ``{"enabled", "quantile", "tau", "n_validation"}``; values that are not finite numbers >= 0 are left out.
+        No usable value: ``(None, {"enabled": False, "reason"})``, said in the log."""
+        sent = {s: r.get("validation_d2_min") for s, r in inside.items()}
+        values = [float(v) for d in sent.values() if isinstance(d, list) for v in d
+                  if is_number(v) and math.isfinite(v) and v >= 0]
+        if not values:
+            why = f"no inside site (of {sorted(sent)}) sent usable validation distances (validation_d2_min)"
+            self.info(f"familiarity fallback: none ({why})")
+            return None, {"enabled": False, "reason": why}
+        q = self.cfg["fedsm"]["familiar_quantile"]
+        tau = float(torch.quantile(torch.tensor(values, dtype=torch.float64), q))
+        self.info(f"familiarity fallback: tau = {tau:.4g}, the {q} quantile of {len(values)} inside validation d2_min "
+                  f"values; an outside image farther than tau from every site's class mean goes to the global model")
+        return tau, {"enabled": True, "quantile": q, "tau": tau, "n_validation": len(values)}
 
 
 def choose_gamma(infer: dict) -> dict:
@@ -281,3 +349,16 @@ def selection_report(infer: dict, inside: list[str], reference: float, selected:
             out[which] = {"gamma": float(gamma), "sites": {s: {"dice": e["dice"], "selected": dict(zip(names, e["selected"]))}
                                                            for s, e in sites.items()}}
     return {"super_at_gamma": out} if out else {}
+
+
+def familiar_report(infer: dict, gamma: float | None) -> dict:
+    """Per site that ran the fallback: how many images fell back, and its test Dice at ``gamma`` without the
+    fallback (``super`` holds the fallback's): ``{"sites": {site: {"n_fallback", "n_images", "dice_nofallback"}}}``."""
+    key = str(float(gamma)) if gamma is not None else "extra"
+    sites = {}
+    for s, r in infer.items():
+        if "fallback" in r:
+            raw = r.get("super_nofallback", {}).get(key, {})
+            sites[s] = {"n_fallback": r["fallback"]["n_fallback"], "n_images": r["fallback"]["n_images"],
+                        "dice": r["super"].get(key, {}).get("dice"), "dice_nofallback": raw.get("dice")}
+    return {"sites": sites}

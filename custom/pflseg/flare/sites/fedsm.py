@@ -16,7 +16,12 @@ The selector sees ``selector_view`` of each batch (``fedsm.selector_input``). Fe
 ``train_selector``): each training sample is labelled with the candidate model of lowest segmentation loss
 on it (0 = global, k + 1 = personalized model of site k) and the (K+1)-class selector is fitted the same way.
 Inference (job ``fedsm_infer``, ``FedSMInferenceSite``, task ``infer``): the super model routes every test
-image (``pflseg.infer.fedsm``) with the bundle's selector, input rule and temperature.
+image (``pflseg.infer.fedsm``) with the bundle's selector, input rule and temperature. With the familiarity
+fallback (``fedsm.familiar_fallback``) the message also carries the selector features' class means and shared
+precision (``familiar.mean`` / ``familiar.precision``): an inside site then also sends its validation images'
+d2_min (``validation_d2_min``, one scalar per image: the server sets the threshold tau from them); an outside
+site, which receives tau (meta ``familiar_tau``), sends the super model with the fallback (``super``) and
+without it (``super_nofallback``) and how many of its images fell back (``fallback``).
 """
 
 from __future__ import annotations
@@ -233,14 +238,21 @@ class FedSMInferenceSite(Site):
         common = dict(gammas=fedsm["gammas"], own_index=own, extra=extra, batch_size=self.cfg["train"]["eval_batch_size"],
                       selector_input=msg.meta.get("selector_input", "zscore"),
                       temperature=float(msg.meta.get("selector_temperature", 1.0)))
+        familiarity = unprefixed("familiar", msg.params) or None
+        tau = msg.meta.get("familiar_tau")
+        fallback = dict(familiarity=familiarity, familiar_tau=float(tau)) if familiarity and tau is not None else {}
         data = self.data("testing") if own is not None else self.all_images()  # an outside site: every image
         result = evaluate_super_model(
-            models[0], models[1:], selector, data, self.device, **common,
+            models[0], models[1:], selector, data, self.device, **common, **fallback,
             out_dir=self.store.root / "predictions", save_gamma=fedsm["gamma"],
             label_encoding=load_dataset_info(self.root)["label_encoding"])
+        result.pop("d2_min", None)  # per-image distances of test images stay here; counts leave (``fallback``)
         result["inside"] = own is not None
         if own is not None:  # inside sites score every gamma on validation: the server chooses gamma there
-            val = evaluate_super_model(models[0], models[1:], selector, self.data("validation"), self.device, **common)
+            val = evaluate_super_model(models[0], models[1:], selector, self.data("validation"), self.device, **common,
+                                       familiarity=familiarity)
             result["validation"] = {route: {"dice": v["dice"], "selection": v["selection"], "selected": v["selected"]}
                                     for route, v in val["super"].items()}
+            if familiarity:  # the server's threshold for the outside sites comes from these
+                result["validation_d2_min"] = val["d2_min"]
         return self.reply({}, {"infer": result})

@@ -103,3 +103,26 @@ def test_extra_selector_round_fits_the_k_plus_one_class_selector(federation, mod
     else:
         assert keys_of(out.params, "grad") == set(selector)
     assert 0.0 <= out.metrics["selector_val_acc"] <= 1.0 and out.meta["NUM_STEPS_CURRENT_ROUND"] == n
+
+
+def test_infer_sends_validation_distances_inside_and_falls_back_outside_when_given_tau(federation):
+    fed = federation("fedsm_infer")
+    selector = build_selector(selector_cfg(fed.cfg, 2)).state_dict()  # lda: the linear head over Selector.embed
+    d = selector["classifier.weight"].shape[1]
+    f64 = dict(dtype=torch.float64)
+    familiar = prefixed("familiar", {"mean": torch.zeros(2, d, **f64), "precision": torch.eye(d, **f64)})
+    params = {**prefixed("global", fed.initial), **prefixed("person.site-1", fed.initial),
+              **prefixed("person.site-2", fed.initial), **prefixed("select", selector)}
+    inside = fed.site("site-1").infer(fed.message(0, {**params, **familiar}, inside_sites=["site-1", "site-2"]))
+    result = inside.metrics["infer"]
+    distances = result["validation_d2_min"]  # one scalar per validation image, for the server's tau
+    assert len(distances) == len(fed.site("site-1").data("validation")) and all(v >= 0 for v in distances)
+    assert "fallback" not in result and "d2_min" not in result  # inside sites are scored without the fallback
+    outside = fed.site("site-3", sites=["site-1", "site-2", "site-3"]).infer(
+        fed.message(0, {**params, **familiar}, inside_sites=["site-1", "site-2"], familiar_tau=0.0))
+    result = outside.metrics["infer"]
+    n = result["n_images"]
+    assert result["fallback"] == {"tau": 0.0, "n_fallback": n, "n_images": n}  # every image is farther than 0
+    assert all(e["selected"] == [n, 0, 0] for e in result["super"].values())
+    assert result["super_nofallback"]["0.0"]["selected"][0] == 0  # the selector alone never picks global at gamma 0
+    assert "d2_min" not in result and "validation_d2_min" not in result  # per-image distances of an outside site stay

@@ -221,3 +221,52 @@ def test_public_text_keeps_the_last_component_of_absolute_paths(text, expected):
 def test_public_text_names_state_paths_relative_to_the_state_root(tmp_path):
     text = f"could not write round_0001.pt into state folder {tmp_path / 'site-1' / 'fedbn'}: No space left"
     assert public_text(text, tmp_path / "site-1") == "could not write round_0001.pt into state folder <state>/fedbn: No space left"
+
+
+# ---- errors: codes, counts and pseudonyms leave the site; the detail stays in its local log ----------------
+PATIENT = "Smith_John_MRN4711_1960-01-01"
+
+
+def _corrupt_file(site_dir, dl):
+    entry = dl["training"][0]
+    bad = (site_dir / entry["image"]).with_name(f"{PATIENT}.nii.gz")
+    bad.write_bytes(b"not a nifti")
+    entry["image"] = str(bad.relative_to(site_dir))
+    return PATIENT, "unreadable_file x1 [file-"
+
+
+def _case_in_two_splits(site_dir, dl):
+    dl["testing"].append(dict(dl["training"][0]))
+    return dl["training"][0]["case"], "case_in_two_splits x1 [case-"
+
+
+@pytest.mark.parametrize("attack", [_corrupt_file, _case_in_two_splits])
+def test_a_data_error_sends_codes_and_pseudonyms_and_keeps_the_detail_local(attack, tiny_root, tmp_path, monkeypatch,
+                                                                              caplog):
+    """Issue 23 item 3: before, the reply and the ERROR line in FLARE's log (streamed to the server) named the
+    file (the patient's name) or the case id."""
+    import json
+    import logging
+    import shutil
+
+    from tests.unit.flare.sites.conftest import Federation
+
+    root = shutil.copytree(tiny_root, tmp_path / "data")
+    dl_path = root / "site-1" / "datalist.json"
+    dl = json.loads(dl_path.read_text())
+    secret, expected = attack(root / "site-1", dl)
+    dl_path.write_text(json.dumps(dl))
+    fed = Federation("fedavg", root, tmp_path / "state", monkeypatch)
+    with caplog.at_level(logging.DEBUG):  # every record FLARE's log handlers (and its log streaming) would see
+        out, site = answer("site-1", "train", fed.message(0), None)
+    error = out.meta["pflseg_error"]
+    assert site is None and expected in error and "(detail in the site's <state>/site_errors.log)" in error
+    assert re.search(r"\[(file|case)-[0-9a-f]{16}\]", error)
+    assert secret not in error and str(root) not in error and str(tmp_path) not in error
+    assert caplog.records and not [r.getMessage() for r in caplog.records if secret in r.getMessage()]
+    local = tmp_path / "state" / "site-1" / "site_errors.log"
+    detail = local.read_text()
+    assert secret in detail and str(root) in detail  # the operator's detail: the file with its path
+    pseudonym = re.search(r"\[((file|case)-[0-9a-f]{16})\]", error).group(1)
+    assert f"{pseudonym} = [site-1]" in detail  # which file or case the pseudonym stands for
+    assert oct(local.stat().st_mode & 0o777) == "0o600"
