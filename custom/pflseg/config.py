@@ -88,8 +88,12 @@ def merge(base: Mapping, override: Mapping, source: str = "override", prefix: st
     return out
 
 
+#: keys that take true / false or a list (iopfl.comparators: every method, routing only, or these)
+BOOL_OR_LIST = {"iopfl.comparators"}
+
+
 def _coerce(default, value, dotted: str, source: str):
-    if default is None or value is None:
+    if default is None or value is None or (dotted in BOOL_OR_LIST and isinstance(value, (bool, list))):
         return value
     if isinstance(default, bool):
         if isinstance(value, bool):

@@ -23,6 +23,13 @@ def test_wrong_type_is_an_error():
         merge({"rounds": 3}, {"rounds": "three"}, "x.yaml")
 
 
+def test_routing_comparators_take_a_flag_or_a_list_and_nothing_else():
+    assert load_job_config("iopfl_route", overrides={"iopfl": {"comparators": ["tent"]}})["iopfl"]["comparators"] == ["tent"]
+    assert load_job_config("iopfl_route", overrides={"iopfl": {"comparators": False}})["iopfl"]["comparators"] is False
+    with pytest.raises(ConfigError, match="iopfl.comparators"):
+        load_job_config("iopfl_route", overrides={"iopfl": {"comparators": "tent"}})
+
+
 def test_int_is_accepted_for_float_and_override_wins():
     out = merge({"lr": 0.1, "n": 1}, {"lr": 1}, "x")
     assert out == {"lr": 1.0, "n": 1} and isinstance(out["lr"], float)
