@@ -26,7 +26,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pflseg.config import load_job_config
 from pflseg.data.datalist import DATALIST_JSON
@@ -76,6 +78,50 @@ class _Signal(BaseException):
     def __init__(self, signum: int):
         super().__init__(signum)
         self.signum = signum
+
+
+#: set by ``run_side_by_side`` when a signal asks every run of this process to stop (runs in worker threads see
+#: no signal themselves): each running simulator is then stopped whole, as on a signal in the main thread
+_STOP: list[int] = []
+
+
+def run_side_by_side(calls: dict[str, Callable[[], Any]], after: dict[str, str] | None = None,
+                     workers: int = 2) -> dict[str, Any]:
+    """Run ``calls`` (name -> a function that runs simulator jobs) ``workers`` at a time, in the order given; a call
+    named in ``after`` (name -> the call it needs) starts once that one has returned. FLARE's start-up, its
+    round-trip waits and the final test leave cores idle that a second job uses.
+
+    Returns name -> what each call returned. On SIGINT / SIGTERM every running simulator is stopped whole and
+    ``Interrupted`` is raised (naming a stopped run's workspace and rounds); an error in one call stops nothing
+    else and is raised once the others have finished.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    after = dict(after or {})
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures: dict = {}
+
+        def call(name):
+            if name in after:
+                futures[after[name]].result()
+            if _STOP:  # stopped before it started
+                raise Interrupted(_STOP[0])
+            return calls[name]()
+
+        for name in calls:  # a call's prerequisite is submitted before it: it runs or has run when it is awaited
+            futures[name] = pool.submit(call, name)
+        try:
+            with _signals_raise():
+                for f in futures.values():
+                    while not f.done():
+                        time.sleep(0.2)
+        except _Signal as exc:
+            _STOP.append(exc.signum)
+            with _signals_ignored():
+                stopped = [f.exception() for f in futures.values()]
+            raise next((e for e in stopped if isinstance(e, Interrupted) and e.rounds_done is not None),
+                       Interrupted(exc.signum)) from None
+        return {name: f.result() for name, f in futures.items()}
 
 
 def run_simulator(
@@ -145,6 +191,8 @@ def _run_locked(job_dir: Path, workspace: Path, n_sites, threads, data, progress
                 reader = threading.Thread(target=_relay, args=(proc.stdout, log_file, name, progress), daemon=True)
                 reader.start()
                 while proc.poll() is None:
+                    if _STOP:  # run_side_by_side was told to stop
+                        raise _Signal(_STOP[0])
                     # FLARE 2.9's simulator idles ~6 s after the server runner has finished (fixed shutdown waits);
                     # the run is complete by then (results, checkpoints, TensorBoard events written), so end it.
                     if results_path.is_file() and _server_runner_finished(server_log):

@@ -31,14 +31,15 @@ import statistics
 import time
 from pathlib import Path
 
-from pflseg.deploy.simulator import workspace_lock
+from pflseg.deploy.simulator import run_side_by_side, workspace_lock
 from pflseg.eval.bench import PRIMARY, Bench, paired_difference
 from pflseg.eval.plots import PLOTS_HINT, have_matplotlib, overlay_paths, plot_lines, write_results
-from pflseg.eval.progress import RunProgress
 
 PRESET = "demo"
-#: training jobs, then the post-training jobs that read their bundles
-JOBS = ("iopfl", "fedbn", "fedsm", "grace", "lcfed", "iopfl_route", "fedsm_infer")
+#: training jobs, then the post-training jobs that read their bundles (AFTER: each one's training run); two run side
+#: by side, longest first
+JOBS = ("fedsm", "iopfl", "grace", "lcfed", "fedbn", "iopfl_route", "fedsm_infer")
+AFTER = {"iopfl_route": "iopfl", "fedsm_infer": "fedsm"}
 #: the same for every job: lr 0.003 with Dice + cross-entropy and 3 local epochs make the U-Net segment within
 #: a few rounds; per-case Dice (pseudonymised) leaves the sites so that differences can be paired by case
 SETTINGS = {"train": {"lr": 0.003, "loss": "dice_ce", "epochs": 3},
@@ -47,7 +48,7 @@ SETTINGS = {"train": {"lr": 0.003, "loss": "dice_ce", "epochs": 3},
 #: LC-Fed's five-stage backbone, narrowed (its calibration applies every site's head: the demo's slowest job)
 LCFED_NET = {"channels": [8, 16, 32, 64, 128]}
 #: rounds: FedAvg's mean validation Dice is flat over the last rounds (README: how the budget was chosen)
-ROUNDS = 12
+ROUNDS = 16
 #: inside rows: (label, job, key of the site's test metrics); LC-Fed runs on its own net (marked in the table)
 INSIDE = [("FedAvg", "iopfl", "global"), ("FedAvg + AdaBN", "iopfl", "global_adabn"), ("FedBN", "fedbn", "site"),
           ("FedSM personalized", "fedsm", "site"), ("GRACE global", "grace", "global"),
@@ -79,15 +80,24 @@ class Demo:
         self.inside, self.outside = self.bench.inside, self.bench.holdout
 
     def run(self) -> dict:
-        steps = RunProgress(len(JOBS), self.progress)
-        results = {}
-        for job in JOBS:
-            steps.start(job)
-            results[job] = self.bench.run(0, "inside", job)
-            took = steps.done()
-            write_results(results[job], self.bench.run_dir(0, "inside", job))
-            self.progress(f"[{job}] finished in {took:.0f} s")
-        return results
+        """Every job of ``JOBS``, two side by side (a post-training job after the run it reads), with progress lines."""
+        t0, took = time.time(), []
+
+        def job(name):
+            def go():
+                start = time.time()
+                self.progress(f"{name} ...")
+                res = self.bench.run(0, "inside", name)
+                took.append(time.time() - start)
+                write_results(res, self.bench.run_dir(0, "inside", name))
+                left = len(JOBS) - len(took)
+                eta = f"; about {statistics.mean(took) * left / 2 / 60:.0f} min left" if left else ""
+                self.progress(f"[{len(took)}/{len(JOBS)}] {name} finished in {took[-1]:.0f} s ({time.time() - t0:.0f} s "
+                              f"since the first){eta}")
+                return res
+            return go
+
+        return run_side_by_side({name: job(name) for name in JOBS}, after=AFTER)
 
     def per_case(self, results: dict, job: str, key: str, sites: list[str], treatment: str | None = None) -> dict:
         """{"site/case": Dice} of one row at ``sites`` (data-root names)."""

@@ -13,6 +13,7 @@ from pflseg.cli import _run_overrides, build_parser, main
 from pflseg.config import load_job_config
 from pflseg.data import make_synthetic
 from pflseg.deploy.simulator import (Interrupted, WorkspaceBusy, differences, judge, move_aside, read_record,
+                                     run_side_by_side,
                                      run_record, workspace_lock)
 from pflseg.flare.state import RoundStore
 
@@ -82,6 +83,36 @@ def test_the_record_holds_config_data_and_sites_and_names_what_differs(tmp_path)
     changed = run_record(cfg, root, ["site-1", "site-2"])
     assert [d.split(":")[0] for d in differences(one, changed)] == ["data.datalists.site-2"]
     assert 'sites: ["site-1", "site-2"] -> ["site-1", "site-3"]' in differences(one, run_record(cfg, root, ["site-1", "site-3"]))
+
+
+def test_side_by_side_runs_two_at_a_time_a_post_training_call_after_its_run():
+    import time
+
+    running, peak, order = [], [0], []
+
+    def call(name, seconds):
+        def go():
+            running.append(name)
+            peak[0] = max(peak[0], len(running))
+            time.sleep(seconds)
+            order.append(name)
+            running.remove(name)
+            return name.upper()
+        return go
+
+    out = run_side_by_side({"a": call("a", 0.3), "b": call("b", 0.05), "a_after": call("a_after", 0.0)},
+                           after={"a_after": "a"})
+    assert out == {"a": "A", "b": "B", "a_after": "A_AFTER"} and peak[0] == 2
+    assert order.index("a_after") > order.index("a")
+
+
+def test_a_stop_request_reaches_calls_in_worker_threads(monkeypatch):
+    from pflseg.deploy import simulator
+
+    monkeypatch.setattr(simulator, "_STOP", [signal.SIGTERM])  # as after a SIGTERM in the main thread
+    with pytest.raises(Interrupted) as stopped:
+        run_side_by_side({"a": lambda: "never started"})
+    assert stopped.value.code == 143
 
 
 def test_another_methods_section_does_not_change_a_run_but_its_own_does():
