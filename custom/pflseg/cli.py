@@ -167,7 +167,7 @@ def _data_overrides(args, overrides: dict) -> dict:
 def _run(args) -> int:
     from pflseg.deploy.simulator import run_simulator, workspace_lock
     from pflseg.eval.plots import write_results
-    from pflseg.eval.tables import dice_table, infer_table, route_table, timing_summary
+    from pflseg.eval.tables import run_tables
     from pflseg.flare.jobs import export_job
 
     workspace = Path(args.workspace or f"runs/{args.job}")
@@ -180,13 +180,8 @@ def _run(args) -> int:
         n = len(clients) if clients else args.sites or 3
         job_dir = export_job(args.job, workspace / "job", overrides=overrides)
         results = run_simulator(job_dir, workspace, n_sites=n, threads=args.threads, data=data, clients=clients)
-        if "route" in results:  # IOP-FL routing job: a table of the outside sites
-            print(route_table(results))
-        elif "infer" in results:  # FedSM inference job
-            print(infer_table(results))
-        else:
-            print(dice_table({args.job: results}))
-            print(timing_summary(results))
+        for table in run_tables(results, args.job):
+            print(table)
         if results["missing"]:
             print(f"sites left out: {json.dumps(results['missing'])}")
         for line in write_results(results, workspace):
@@ -378,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--threads", type=int)
     m.set_defaults(func=_demo)
 
-    from pflseg.eval.bench import DEFAULT_METHODS, INSIDE
+    from pflseg.eval.bench import default_methods, inside_columns
 
     def bench_args(parser, workspace: str, seeds: list[int], rounds: int, sites: int) -> None:
         parser.add_argument("--workspace", default=workspace)
@@ -397,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bp = sub.add_parser("bench", help="every method on the same data and budget: inside and leave-one-site-out tables")
     bench_args(bp, "runs/bench", [0, 1, 2], 20, 6)
-    bp.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(INSIDE))
+    bp.add_argument("--methods", nargs="+", default=list(default_methods()), choices=list(inside_columns()))
     bp.add_argument("--no-outside", action="store_true", help="inside table only")
     bp.set_defaults(func=_bench)
 

@@ -223,6 +223,15 @@ def validate(cfg: Mapping, source: str = "config") -> None:
         raise ConfigError(f"{source}: lcfed.nms_window and lcfed.gauss_size must be odd >= 1, lcfed.gauss_sigma >= 0")
     if cfg["fedprox"]["mu"] < 0:
         raise ConfigError(f"{source}: fedprox.mu must be >= 0, got {cfg['fedprox']['mu']}")
+    robust = cfg["robust"]
+    if robust["aggregation"] not in ("mean", "median", "trimmed_mean"):
+        raise ConfigError(f"{source}: robust.aggregation must be one of mean, median, trimmed_mean, got {robust['aggregation']!r}")
+    if not 0.0 <= robust["trim"] < 0.5:
+        raise ConfigError(f"{source}: robust.trim must lie in [0, 0.5) (the fraction dropped at each end), got {robust['trim']}")
+    for key in ("n_k_ratio", "norm_ratio"):
+        if not (robust[key] == 0 or 1.0 <= robust[key] <= 1e12):
+            raise ConfigError(f"{source}: robust.{key} must be 0 (no bound) or in [1, 1e12] (a multiple of the other "
+                              f"sites' median; an honest site may be that many times the others), got {robust[key]}")
 
 
 def defaults(config_dir: Path | None = None) -> dict:

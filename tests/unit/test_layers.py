@@ -1,4 +1,5 @@
-"""The package's layers (../shared/DESIGN.md): nothing imports upward, and no method branches in flare/."""
+"""The package's layers (../shared/DESIGN.md): nothing imports upward, and no method branches in flare/, eval/ or
+the CLI."""
 
 import ast
 import re
@@ -39,8 +40,35 @@ def test_nothing_imports_upward():
     assert upward == []
 
 
-def test_no_method_branches_in_the_flare_layer():
+def method_readers() -> list[Path]:
+    """The modules that must read what describes a method from the registry (flare/methods.py), never branch on it."""
+    flare = [p for p in (PACKAGE / "flare").rglob("*.py") if p.name != "methods.py"]
+    return flare + sorted((PACKAGE / "eval").rglob("*.py")) + [PACKAGE / "cli.py"]
+
+
+def test_no_method_branches_in_flare_eval_and_the_cli():
     pattern = re.compile(r"method\W*\]?\s*(==|in \()")
-    hits = [f"{p.relative_to(PACKAGE)}:{i}" for p in (PACKAGE / "flare").rglob("*.py") if p.name != "methods.py"
+    hits = [f"{p.relative_to(PACKAGE)}:{i}" for p in method_readers()
             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert hits == []
+
+
+def test_no_job_or_method_compared_with_a_registered_name():
+    """``job == "iopfl_route"``, ``cfg["method"] in ("fedsm", ...)``: a method's behaviour belongs in its registry
+    entry, its controller and its site."""
+    from pflseg.flare.methods import METHODS
+
+    def names(node) -> set:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return {node.value}
+        return {e.value for e in getattr(node, "elts", []) if isinstance(e, ast.Constant)}
+
+    hits = []
+    for path in method_readers():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                subject = " ".join(ast.unparse(x) for x in sides if not names(x))
+                if re.search(r"method|job", subject) and set().union(*map(names, sides)) & set(METHODS):
+                    hits.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
     assert hits == []

@@ -60,7 +60,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from pflseg.algorithms.fedavg import weighted_average
+from pflseg.algorithms.robust import aggregate
 
 #: Model choice returned by ``route`` / ``route_extra`` for "use the global model w_g".
 GLOBAL = -1
@@ -187,21 +187,23 @@ def _check_probs(probs: torch.Tensor) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-def average_moments(moments: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]) -> dict:
+def average_moments(moments: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float], rule: str = "mean",
+                    trim: float = 0.0) -> dict:
     """n_k-weighted mean of the sites' selector optimizer moments, key by key.
 
     Args:
         moments: K flat dicts as made by ``flatten_optimizer_state`` (``"<i>.exp_avg"``,
             ``"<i>.exp_avg_sq"``, ``"<i>.step"``), same keys and shapes at every site.
         weights: K non-negative weights (n_k); normalised here.
+        rule, trim: ``mean`` (default) or a robust rule (``pflseg.algorithms.robust.aggregate``).
 
     Returns:
-        A new flat dict ``sum_k p_k m_k`` (float64 accumulation, cast back to each dtype). Inputs are not
+        A new flat dict ``sum_k p_k m_k`` (or the rule's combination) (float64 accumulation, cast back to each dtype). Inputs are not
         modified.
     """
     if len(moments) == 0:
         raise ValueError("moments: need at least one site's moments")
-    return weighted_average(moments, weights)
+    return aggregate(moments, weights, rule=rule, trim=trim)
 
 
 def flatten_optimizer_state(state_dict: Mapping) -> dict[str, torch.Tensor]:

@@ -49,7 +49,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from pflseg.algorithms.fedavg import normalized_weights, weighted_average
+from pflseg.algorithms.fedavg import normalized_weights
+from pflseg.algorithms.robust import aggregate, check_rule, combine_rows
 from pflseg.algorithms.fedbn import norm_keys
 
 State = Mapping[str, torch.Tensor]
@@ -254,6 +255,8 @@ def grace_step(
     self_mode: str = "include",
     trainable_keys: Sequence[str] | None = None,
     buffer_keys: Sequence[str] | None = None,
+    rule: str = "mean",
+    trim: float = 0.0,
 ) -> tuple[dict, dict]:
     """One GRACE server round.
 
@@ -267,6 +270,8 @@ def grace_step(
         trainable_keys: keys of the updates (use :func:`grace_keys`); default: every floating-point key
             of ``global_state`` not in ``buffer_keys``.
         buffer_keys: normalisation buffers averaged with p' (use :func:`grace_keys`); default: none.
+        rule, trim: how the K updates (and buffers) are combined: ``mean`` (the paper's p'-weighted sum),
+            ``median`` or ``trimmed_mean`` (coordinate-wise, :func:`pflseg.algorithms.robust.combine_rows`).
 
     Returns:
         ``(new_state, info)``: a new dict with every key of ``global_state`` (trainable keys stepped,
@@ -280,6 +285,7 @@ def grace_step(
     if len(weights) != k:
         raise ValueError(f"weights: {k} client states but {len(weights)} weights")
     _check_mode(mode)
+    check_rule(rule, trim)
     if self_mode not in SELF_MODES:
         raise ValueError(f"self_mode: unknown value '{self_mode}'; known: {', '.join(SELF_MODES)}")
     if not (eta_g > 0 and eta_g != float("inf")):
@@ -309,8 +315,8 @@ def grace_step(
     for key in trainable:
         ref = global_state[key]
         block = _update_block(global_state, client_states, key, torch.float64)  # (K, p)
-        step = (p_prime[None, :] @ block).reshape(ref.shape)
+        step = (p_prime[None, :] @ block if rule == "mean" else combine_rows(block, p_prime.tolist(), rule, trim)).reshape(ref.shape)
         new_state[key] = (ref.detach().to("cpu", torch.float64) - eta_g * step).to(ref.dtype)
     if buffers:
-        new_state.update(weighted_average(client_states, p_prime.tolist(), keys=buffers))
+        new_state.update(aggregate(client_states, p_prime.tolist(), buffers, rule, trim))
     return new_state, {"sim": sim, "consistency": c, "p_prime": p_prime}

@@ -82,7 +82,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from pflseg.algorithms.fedavg import weighted_average
+from pflseg.algorithms.robust import aggregate
 
 State = Mapping[str, torch.Tensor]
 
@@ -297,12 +297,13 @@ def lcfed_loss(
     return loss + lam * l_sc
 
 
-def average_shared(states: Sequence[State], keys: Sequence[str]) -> list[dict]:
+def average_shared(states: Sequence[State], keys: Sequence[str], rule: str = "mean", trim: float = 0.0) -> list[dict]:
     """Plain average of the shared parameters; personal entries stay each site's own.
 
     Args:
         states: K site states with the same keys and shapes.
         keys: shared keys (:func:`pflseg.nets.lcfed.shared_keys`), averaged with equal weights.
+        rule, trim: ``mean`` (default) or a robust rule (``pflseg.algorithms.robust.aggregate``).
 
     Returns:
         K new dicts: the average at ``keys``, the site's own tensor at every other key. Inputs are not
@@ -310,7 +311,7 @@ def average_shared(states: Sequence[State], keys: Sequence[str]) -> list[dict]:
     """
     if not states:
         raise ValueError("states: need at least one site state")
-    avg = weighted_average(states, [1.0] * len(states), keys)
+    avg = aggregate(states, [1.0] * len(states), keys, rule, trim)
     return [{k: (avg[k].clone() if k in avg else v) for k, v in s.items()} for s in states]
 
 

@@ -41,70 +41,49 @@ from pflseg.deploy.data_sites import flare_names, site_view
 from pflseg.deploy.simulator import judge, move_aside, read_record, run_record, run_simulator, workspace_lock
 from pflseg.eval.progress import RunProgress
 from pflseg.flare.jobs import export_job
+from pflseg.flare.methods import METHODS
 from pflseg.flare.privacy import SALT_FILE
 from pflseg.flare.state import RoundStore, unprefixed
 from pflseg.nets import build_net
 from pflseg.train import evaluate
 
-#: method -> the inside table's columns: (label, job, key of the site's test metrics, backbone); key "super" is
-#: FedSM's super model. Every label is compared with the FedAvg of its own backbone (REFERENCE).
-INSIDE = {
-    "local": [("Local", "local", "site", "unet")],
-    "fedavg": [("FedAvg", "fedavg", "global", "unet"), ("FedAvg + AdaBN", "fedavg", "global_adabn", "unet")],
-    "fedprox": [("FedProx", "fedprox", "global", "unet")],
-    "fedbn": [("FedBN", "fedbn", "site", "unet")],
-    "ft": [("FedAvg (LC-Fed net)", "ft", "global", "lcnet"), ("FT", "ft", "site", "lcnet")],
-    "fedrep": [("FedRep", "fedrep", "site", "lcnet")],
-    "fedsm": [("FedSM personalized", "fedsm", "site", "unet"), ("FedSM super", "fedsm_infer", "super", "unet")],
-    "grace": [("GRACE global", "grace", "global", "unet"), ("GRACE personalized", "grace", "site", "unet")],
-    "grace_server": [("GRACE server-only global", "grace_server", "global", "unet")],
-    "grace_client": [("GRACE client-only personalized", "grace_client", "site", "unet")],
-    "grace_refcode": [("GRACE ref-code weights global", "grace_refcode", "global", "unet"),
-                      ("GRACE ref-code weights personalized", "grace_refcode", "site", "unet")],
-    "iopfl": [("IOP-FL global", "iopfl", "global", "unet"), ("IOP-FL P_k", "iopfl", "site", "unet")],
-    "lcfed": [("LC-Fed w/o HC", "lcfed_nohc", "site", "lcnet"), ("LC-Fed", "lcfed", "site", "lcnet")],
-    "lcfed_hczero": [("LC-Fed, HC on a zero map", "lcfed_hczero", "site", "lcnet")],
-    "lcfed_hcself": [("LC-Fed, HC on its own p(1-p)", "lcfed_hcself", "site", "lcnet")],
-    "centralized": [("Centralized", "centralized", "global", "unet"),
-                    ("Centralized (LC-Fed net)", "centralized_lcnet", "global", "lcnet")],
-}
-DEFAULT_METHODS = ("local", "fedavg", "fedprox", "fedbn", "ft", "fedrep", "fedsm", "grace", "iopfl", "lcfed", "centralized")
+def inside_columns() -> dict[str, tuple]:
+    """Bench method -> the inside table's columns (label, job, key of the site's test metrics, backbone), from the
+    registry (``pflseg.flare.methods.Method.inside``). Every label is compared with the FedAvg of its own backbone
+    (REFERENCE)."""
+    return {name: cols for entry in METHODS.values() for name, cols in entry.inside.items()}
+
+
+def outside_columns() -> dict[str, tuple]:
+    """Bench method -> the outside table's columns (label, job, source, normalisation treatment), from the registry
+    (``Method.outside``). Sources: "global" = the job's best global model scored by the bench at the held-out site
+    (running statistics), "super" = FedSM's super model, "route:<m>" = method m of the routing job. A comparison is
+    only ever made within one treatment."""
+    return {name: cols for entry in METHODS.values() for name, cols in entry.outside.items()}
+
+
+def default_methods() -> tuple[str, ...]:
+    """The bench's default methods: every registered method that has inside columns under its own name."""
+    return tuple(name for name, entry in METHODS.items() if name in entry.inside)
+
+
+def after_jobs() -> dict[str, tuple]:
+    """Post-training job -> (the training job whose models it uses, the config section that takes its bundle, more
+    keys of that section), from the registry (``Method.after``)."""
+    return {name: entry.after for name, entry in METHODS.items() if entry.after}
+
+
 BACKBONES = {"unet": "MONAI UNet", "lcnet": "LC-Fed's U-shaped net (no PCS unless LC-Fed)"}
 #: backbone -> the label every inside column of that backbone is paired with
 REFERENCE = {"unet": "FedAvg", "lcnet": "FedAvg (LC-Fed net)"}
-#: method -> the outside table's columns: (label, job, source, normalisation treatment). Sources: "global" = the job's
-#: best global model scored by the bench at the held-out site (running statistics), "super" = FedSM's super model,
-#: "route:<m>" = method m of the routing job, which scores its static comparators under both treatments in the very
-#: batches routing and Tent adapt on (the IOP-FL run's global model is FedAvg's, bit for bit, at the same seed).
-#: A comparison is only ever made within one treatment.
-OUTSIDE = {
-    "fedavg": [("FedAvg", "fedavg", "global", "running")],
-    "fedsm": [("FedSM super", "fedsm_infer", "super", "running")],
-    "grace": [("GRACE global", "grace", "global", "running")],
-    "grace_server": [("GRACE server-only global", "grace_server", "global", "running")],
-    "grace_client": [("GRACE client-only global", "grace_client", "global", "running")],
-    "grace_refcode": [("GRACE ref-code weights global", "grace_refcode", "global", "running")],
-    "iopfl": [("FedAvg (IOP-FL run)", "iopfl_route", "route:global", "running"),
-              ("FedAvg", "iopfl_route", "route:global_bn", "batch"),
-              ("Average", "iopfl_route", "route:average", "running"),
-              ("Average", "iopfl_route", "route:average_bn", "batch"),
-              ("Ensemble", "iopfl_route", "route:ensemble", "running"),
-              ("Ensemble", "iopfl_route", "route:ensemble_bn", "batch"),
-              ("Tent (online)", "iopfl_route", "route:tent", "batch"),
-              ("Tent (10 epochs, min-entropy)", "iopfl_route", "route:tent_epochs", "batch"),
-              ("IOP-FL (Global)", "iopfl_route", "route:routing_global", "batch"),
-              ("Routing per-layer (ours)", "iopfl_route", "route:routing_layer", "batch"),
-              ("IOP-FL routing", "iopfl_route", "route:routing", "batch")],
-}
 TREATMENTS = {"running": "running statistics (as trained)", "batch": "test-batch statistics"}
 #: outside reference per treatment: the first of these labels present
 OUTSIDE_REFERENCE = ("FedAvg", "FedAvg (IOP-FL run)")
 #: the primary outside comparison, declared before any run: IOP-FL routing against each of these under test-batch
 #: statistics; the paper's claim holds only when every interval lies above 0
 PRIMARY = ("IOP-FL routing", ("FedAvg", "Average", "Tent (online)"), "batch")
-#: post-training jobs -> (the training job whose models they use, the config section that takes its bundle,
-#: more keys of that section: the routing job reaches every site outside the bundle)
-AFTER = {"fedsm_infer": ("fedsm", "fedsm", {}), "iopfl_route": ("iopfl", "iopfl", {"targets": []})}
+
+
 def _stats(values: list[float]) -> dict:
     return {"mean": statistics.mean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0, "n": len(values)}
 
@@ -140,8 +119,8 @@ def _seed_means(col: dict[str, list[float]]) -> dict | None:
 
 
 class Bench:
-    """The runs, resumable, and the tables. ``methods``: keys of INSIDE; the outside table has the columns
-    of the selected methods found in OUTSIDE.
+    """The runs, resumable, and the tables. ``methods``: keys of ``inside_columns()`` (default:
+    ``default_methods()``); the outside table has the columns of the selected methods found in ``outside_columns()``.
 
     Without ``data`` each seed makes its own synthetic data root ``<workspace>/data/seed<s>`` from ``preset``
     (``pflseg.data.synth.PRESETS``; the data seed is the run's seed): its inside sites train, its outside sites
@@ -152,13 +131,15 @@ class Bench:
     that per-case Dice (``privacy.per_case``) can be paired across runs.
     """
 
-    def __init__(self, workspace, data=None, synth_sites: int = 6, methods=DEFAULT_METHODS, seeds=(0,), rounds: int = 20,
+    def __init__(self, workspace, data=None, synth_sites: int = 6, methods=None, seeds=(0,), rounds: int = 20,
                  holdout: list[str] | None = None, overrides: dict | None = None, outside: bool = True,
                  threads: int | None = None, progress=print, sites: list[str] | None = None,
                  preset: str | None = "bench", per_job: dict | None = None, salts: bool = False):
-        unknown = [m for m in methods if m not in INSIDE]
+        self.inside_cols, self.outside_cols, self.after = inside_columns(), outside_columns(), after_jobs()
+        methods = default_methods() if methods is None else methods
+        unknown = [m for m in methods if m not in self.inside_cols]
         if unknown:
-            raise ValueError(f"--methods: unknown {unknown}; choose from {', '.join(INSIDE)}")
+            raise ValueError(f"--methods: unknown {unknown}; choose from {', '.join(self.inside_cols)}")
         self.ws = Path(workspace).resolve()
         self.methods, self.seeds, self.rounds = list(methods), list(seeds), rounds
         self.data, self.preset, self.synth_sites = (Path(data).resolve() if data else None), preset, synth_sites
@@ -177,7 +158,7 @@ class Bench:
             self.inside = list(self.sites)
         if bad or len(self.inside) - any(h in self.inside for h in self.holdout) < 2:
             raise ValueError(f"--holdout {self.holdout}: need sites of the data ({self.sites}) and 2 sites left to train")
-        self.outside = outside and any(m in OUTSIDE for m in self.methods)
+        self.outside = outside and any(m in self.outside_cols for m in self.methods)
         self.overrides, self.threads, self.progress = dict(overrides or {}), threads, progress
         self.per_job, self.salts = dict(per_job or {}), salts
         if data is None and preset and "size" not in self.overrides.get("data", {}):
@@ -207,12 +188,13 @@ class Bench:
 
     def plan(self) -> list[tuple[int, str, str]]:
         """Every (seed, fold, job), each once, training jobs before the post-training jobs that read them."""
-        wanted = [(None, job) for m in self.methods for _, job, _, _ in INSIDE[m]]
+        wanted = [(None, job) for m in self.methods for _, job, _, _ in self.inside_cols[m]]
         if self.outside:
-            wanted += [(h, job) for h in self.holdout for m in self.methods for _, job, _, _ in OUTSIDE.get(m, [])]
+            wanted += [(h, job) for h in self.holdout for m in self.methods
+                       for _, job, _, _ in self.outside_cols.get(m, ())]
         keys: list[tuple[str, str]] = []
         for h, job in wanted:
-            for j in ([AFTER[job][0], job] if job in AFTER else [job]):
+            for j in ([self.after[job][0], job] if job in self.after else [job]):
                 if (self.fold(h), j) not in keys:
                     keys.append((self.fold(h), j))
         return [(seed, fold, job) for seed in self.seeds for fold, job in keys]
@@ -222,7 +204,7 @@ class Bench:
 
     def clients(self, fold: str, job: str) -> list[str]:
         trained = self.trained_on(fold)
-        if job in AFTER:  # post-training jobs also reach the sites outside this federation
+        if job in self.after:  # post-training jobs also reach the sites outside this federation
             return trained + [s for s in self.holdout if s not in trained]
         return trained
 
@@ -237,8 +219,8 @@ class Bench:
         """The job's config overrides in this bench (``resume`` aside: it only says how a run starts)."""
         over = {**self.overrides, **self.per_job.get(job, {}), "seed": seed, "rounds": self.rounds,
                 "min_clients": len(self.clients(fold, job))}
-        if job in AFTER:
-            trained, key, more = AFTER[job]
+        if job in self.after:
+            trained, key, more = self.after[job]
             bundle = str(self.run_dir(seed, fold, trained) / "state" / "server" / trained)
             over[key] = {**over.get(key, {}), "bundle": bundle, **more}
         return over
@@ -248,8 +230,8 @@ class Bench:
         job's effective config, the seed's data root and the run's sites; a post-training job also the record of
         the run whose bundle it reads (a training run made again makes its post-training jobs run again)."""
         inputs = {}
-        if job in AFTER:
-            trained = read_record(self.run_dir(seed, fold, AFTER[job][0]), AFTER[job][0]) or {}
+        if job in self.after:
+            trained = read_record(self.run_dir(seed, fold, self.after[job][0]), self.after[job][0]) or {}
             inputs["bundle_run"] = trained.get("sha256")
         cfg = load_job_config(job, overrides=self.job_overrides(seed, fold, job))
         return run_record(cfg, self.root(seed), flare_names(self.clients(fold, job)), inputs)
@@ -320,7 +302,7 @@ class Bench:
         """label -> site -> test Dice per seed (in seed order)."""
         table: dict = {}
         for m in self.methods:
-            for label, job, key, _ in INSIDE[m]:
+            for label, job, key, _ in self.inside_cols[m]:
                 col = table.setdefault(label, {})
                 for seed in self.seeds:
                     res, names = self.results(seed, "inside", job), self.names(seed, "inside", job)
@@ -333,7 +315,7 @@ class Bench:
     def inside_cases(self) -> dict:
         """site -> {"cases", "images"} of its test split (the same for every method: read from the first run)."""
         for m in self.methods:
-            for _, job, key, _ in INSIDE[m]:
+            for _, job, key, _ in self.inside_cols[m]:
                 if key != "super":
                     res, names = self.results(self.seeds[0], "inside", job), self.names(self.seeds[0], "inside", job)
                     return {names[s]: {"cases": t[key].get("n_cases"), "images": t[key].get("n_images")}
@@ -347,7 +329,7 @@ class Bench:
         for h in self.holdout:
             fold = self.fold(h)
             for m in self.methods:
-                for label, job, source, treatment in OUTSIDE.get(m, []):
+                for label, job, source, treatment in self.outside_cols.get(m, ()):
                     for seed in self.seeds:
                         dice, n = self.outside_dice(seed, fold, job, source, h)
                         table.setdefault(f"{label} [{treatment}]", {}).setdefault(h, []).append(dice)
@@ -389,8 +371,8 @@ class Bench:
         personalized columns, the global model's otherwise."""
         out = {}
         for m in self.methods:
-            for label, job, key, _ in INSIDE[m]:
-                if job in AFTER or key == "global_adabn":
+            for label, job, key, _ in self.inside_cols[m]:
+                if job in self.after or key == "global_adabn":
                     continue
                 per_seed = [self.curve(seed, job, key) for seed in self.seeds]
                 n = min(len(c) for c in per_seed)
@@ -413,8 +395,8 @@ class Bench:
         """job -> site -> optimizer steps per round at that site (mean over rounds, seed 0's run)."""
         out: dict = {}
         for m in self.methods:
-            for _, job, _, _ in INSIDE[m]:
-                if job in AFTER or job in out:
+            for _, job, _, _ in self.inside_cols[m]:
+                if job in self.after or job in out:
                     continue
                 names = self.names(self.seeds[0], "inside", job)
                 per_site: dict = {}
@@ -432,7 +414,7 @@ class Bench:
                   "overrides": self.overrides, "backbones": BACKBONES, "treatments": TREATMENTS,
                   "primary": {"method": PRIMARY[0], "against": list(PRIMARY[1]), "treatment": PRIMARY[2]}}
         inside = self.inside_values()
-        backbone = {label: bb for m in self.methods for label, _, _, bb in INSIDE[m]}
+        backbone = {label: bb for m in self.methods for label, _, _, bb in self.inside_cols[m]}
         report["inside"] = {label: {site: _stats(v) for site, v in col.items()} for label, col in inside.items()}
         report["inside_mean"] = {label: m for label, col in inside.items() if col and (m := _seed_means(col))}
         report["inside_backbone"] = backbone

@@ -34,32 +34,32 @@ from pathlib import Path
 from pflseg.deploy.simulator import run_side_by_side, workspace_lock
 from pflseg.eval.bench import PRIMARY, Bench, paired_difference
 from pflseg.eval.plots import PLOTS_HINT, have_matplotlib, overlay_paths, plot_lines, write_results
+from pflseg.flare.methods import METHODS
 
 PRESET = "demo"
-#: training jobs, then the post-training jobs that read their bundles (AFTER: each one's training run); two run side
-#: by side, longest first
-JOBS = ("fedsm", "iopfl", "grace", "lcfed", "fedbn", "iopfl_route", "fedsm_infer")
-AFTER = {"iopfl_route": "iopfl", "fedsm_infer": "fedsm"}
+#: inside rows: (label, job, key of the site's test metrics, backbone), every method's ``Method.demo_inside`` in the
+#: registry's order; the reference row is "FedAvg"; a row on another backbone than the UNet is marked in the table
+INSIDE = [row for entry in METHODS.values() for row in entry.demo_inside]
+#: outside rows: (label, job, method of the routing job or "super", treatment), every ``Method.demo_outside``
+OUTSIDE = [row for entry in METHODS.values() for row in entry.demo_outside]
+#: post-training job -> the training job whose bundle it reads (``Method.after``)
+AFTER = {name: entry.after[0] for name, entry in METHODS.items() if entry.after}
+#: the rows' jobs: training jobs, then the post-training jobs that read their bundles; two run side by side
+JOBS = tuple(dict.fromkeys([job for _, job, *_ in INSIDE + OUTSIDE if job not in AFTER]
+                           + [job for _, job, *_ in INSIDE + OUTSIDE if job in AFTER]))
 #: the same for every job: lr 0.003 with Dice + cross-entropy and 3 local epochs make the U-Net segment within
 #: a few rounds; per-case Dice (pseudonymised) leaves the sites so that differences can be paired by case
 SETTINGS = {"train": {"lr": 0.003, "loss": "dice_ce", "epochs": 3},
             "iopfl": {"epochs": 3, "comparators": ["global", "average", "ensemble", "global_bn", "average_bn", "ensemble_bn", "tent"]},
             "privacy": {"per_case": True}}
-#: LC-Fed's five-stage backbone, narrowed (its calibration applies every site's head: the demo's slowest job)
+#: LC-Fed's five-stage backbone, narrowed (its calibration applies every site's head: the demo's slowest job): the net
+#: of every job of a row on that backbone
 LCFED_NET = {"channels": [8, 16, 32, 64, 128]}
 #: rounds: FedAvg's mean validation Dice is flat over the last rounds (README: how the budget was chosen)
 ROUNDS = 16
-#: inside rows: (label, job, key of the site's test metrics); LC-Fed runs on its own net (marked in the table)
-INSIDE = [("FedAvg", "iopfl", "global"), ("FedAvg + AdaBN", "iopfl", "global_adabn"), ("FedBN", "fedbn", "site"),
-          ("FedSM personalized", "fedsm", "site"), ("GRACE global", "grace", "global"),
-          ("GRACE personalized", "grace", "site"), ("IOP-FL P_k", "iopfl", "site"), ("LC-Fed", "lcfed", "site")]
-OTHER_BACKBONE = {"LC-Fed"}
-#: outside rows: (label, job, method of the routing job or "super", treatment); the reference is "FedAvg"
-OUTSIDE = [("FedAvg", "iopfl_route", "global", "running"), ("Average", "iopfl_route", "average", "running"),
-           ("Ensemble", "iopfl_route", "ensemble", "running"), ("FedSM super", "fedsm_infer", "super", "running"),
-           ("FedAvg", "iopfl_route", "global_bn", "batch"), ("Average", "iopfl_route", "average_bn", "batch"),
-           ("Ensemble", "iopfl_route", "ensemble_bn", "batch"), ("Tent (online)", "iopfl_route", "tent", "batch"),
-           ("IOP-FL routing", "iopfl_route", "routing", "batch")]
+OTHER_BACKBONE = tuple(label for label, _, _, backbone in INSIDE if backbone != "unet")
+#: the job of the inside reference row ("FedAvg"): its validation curve is the demo's plateau
+REFERENCE_JOB = next(job for label, job, _, _ in INSIDE if label == "FedAvg")
 TREATMENTS = {"running": "running statistics (as trained)", "batch": "test-batch statistics"}
 BENCH_HINT = ("One seed and three small synthetic sites: a guide to what each method is for, not evidence. The "
               "papers' protocols (5 sites, 64 px, seeds x sites, every baseline and control): `pflseg bench`.")
@@ -75,7 +75,8 @@ class Demo:
 
     def __init__(self, workspace, rounds: int = ROUNDS, threads: int | None = None, progress=print):
         self.bench = Bench(workspace, methods=[], seeds=[0], rounds=rounds, overrides=SETTINGS, threads=threads,
-                           progress=progress, preset=PRESET, per_job={"lcfed": {"net": LCFED_NET}}, salts=True)
+                           progress=progress, preset=PRESET, salts=True,
+                           per_job={job: {"net": LCFED_NET} for _, job, _, backbone in INSIDE if backbone != "unet"})
         self.ws, self.rounds, self.progress = self.bench.ws, rounds, progress
         self.inside, self.outside = self.bench.inside, self.bench.holdout
 
@@ -106,7 +107,7 @@ class Demo:
         for sim, site in names.items():
             if site not in sites:
                 continue
-            if job == "iopfl_route":
+            if "route" in res:  # the routing job: one entry per routing method
                 entry = res["route"][sim]["methods"][key]
             elif key == "super":  # at the gamma chosen on the inside sites' validation
                 entry = res["infer"][sim]["super"][str(float(res.get("gamma_selected", res["config"]["fedsm"]["gamma"])))]
@@ -118,7 +119,7 @@ class Demo:
         return out
 
     def tables(self, results: dict) -> dict:
-        inside = {label: self.per_case(results, job, key, self.inside) for label, job, key in INSIDE}
+        inside = {label: self.per_case(results, job, key, self.inside) for label, job, key, _ in INSIDE}
         outside = {f"{label} [{tr}]": self.per_case(results, job, key, self.outside)
                    for label, job, key, tr in OUTSIDE if job in results}
         report = {"inside_sites": self.inside, "outside_sites": self.outside, "rounds": self.rounds,
@@ -138,15 +139,17 @@ class Demo:
         return report
 
     def images(self, results: dict) -> dict:
-        res, names = results["iopfl"], self.bench.names(0, "inside", "iopfl")
+        """site -> test images: the inside sites' from the reference run, the outside sites' from the routing run."""
+        res, names = results[REFERENCE_JOB], self.bench.names(0, "inside", REFERENCE_JOB)
         out = {names[s]: t["global"].get("n_images") for s, t in res["test"].items()}
-        route, names = results["iopfl_route"], self.bench.names(0, "inside", "iopfl_route")
+        job = next(job for job, r in results.items() if "route" in r)
+        route, names = results[job], self.bench.names(0, "inside", job)
         out.update({names[s]: r["n_images"] for s, r in route["route"].items()})
         return out
 
     def plateau(self, results: dict) -> dict:
-        """FedAvg's (the IOP-FL run's global model's) mean validation Dice per round."""
-        curve = [statistics.mean(h["val_dice"].values()) for h in results["iopfl"]["history"] if h.get("val_dice")]
+        """FedAvg's (the reference run's global model's) mean validation Dice per round."""
+        curve = [statistics.mean(h["val_dice"].values()) for h in results[REFERENCE_JOB]["history"] if h.get("val_dice")]
         tail = curve[-4:]
         return {"curve": curve, "last": tail, "range_last": max(tail) - min(tail) if tail else None}
 
@@ -232,7 +235,8 @@ def write(demo: Demo, results: dict, report: dict, ws: Path, t0: float) -> str:
             f"the IOP-FL run's global model). FedAvg's mean validation Dice over the last rounds: "
             + ", ".join(f"{v:.3f}" for v in flat["last"]) + f" (range {flat['range_last']:.3f}).", "", inside_md, "",
             *sentences(report["inside"], "Inside"),
-            "LC-Fed runs on its own U-shaped net, so its Δ mixes the method with the backbone.", ""]
+            *(f"{label} runs on its own U-shaped net, so its Δ mixes the method with the backbone."
+              for label in OTHER_BACKBONE), ""]
     (out / "inside.md").write_text("\n".join(text) + "\n")
     with open(out / "inside.csv", "w", newline="") as f:
         w = csv.writer(f)
@@ -261,7 +265,7 @@ def write(demo: Demo, results: dict, report: dict, ws: Path, t0: float) -> str:
     lines = []
     if have_matplotlib():
         curves = {label: [(i + 1, v) for i, v in enumerate(demo.bench.curve(0, job, key))]
-                  for label, job, key in INSIDE if key != "global_adabn"}
+                  for label, job, key, _ in INSIDE if key != "global_adabn"}
         written.append(plot_lines(curves, out / "val_dice.png", "validation Dice per round (mean over sites)"))
     else:
         lines.append(PLOTS_HINT)

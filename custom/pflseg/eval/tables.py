@@ -5,8 +5,11 @@ from __future__ import annotations
 from pflseg.flare.methods import METHODS
 from pflseg.infer.routing import METHODS as ROUTE_METHODS
 
-LABELS = {"local": "Local", "fedavg": "FedAvg", "fedprox": "FedProx", "fedbn": "FedBN", "centralized": "Centralized",
-          "fedsm": "FedSM", "iopfl": "IOP-FL", "lcfed": "LC-Fed", "grace": "GRACE", "fedrep": "FedRep", "ft": "FT"}
+
+def label(results: dict, job: str) -> str:
+    """A run's column name: its method's table label (``Method.label``), else the job's name."""
+    entry = METHODS.get(results["method"])
+    return entry.label if entry is not None and entry.label else job
 
 
 def site_dice(results: dict) -> dict[str, float]:
@@ -21,7 +24,7 @@ def dice_table(all_results: dict[str, dict]) -> str:
     columns = {name: site_dice(res) for name, res in all_results.items()}
     sites = sorted({s for col in columns.values() for s in col})
     names = list(columns)
-    head = "| site | " + " | ".join(LABELS.get(all_results[n]["method"], n) for n in names) + " |"
+    head = "| site | " + " | ".join(label(all_results[n], n) for n in names) + " |"
     lines = [head, "|" + "---|" * (len(names) + 1)]
     for site in sites:
         cells = [f"{columns[n][site]:.4f}" if site in columns[n] else "-" for n in names]
@@ -100,3 +103,14 @@ def route_table(results: dict) -> str:
         cells = [f"{r['methods'][m]['dice']:.4f}" if r["methods"][m]["dice"] is not None else "-" for m in methods]
         lines.append(f"| {site} | " + " | ".join(cells) + f" | {r['seconds_per_sample']:.4f} |")
     return "\n".join(lines)
+
+
+def run_tables(results: dict, job: str) -> list[str]:
+    """What ``pflseg run`` prints for job ``job``'s results.json: a post-training job's own table (its results'
+    ``route`` section: the outside sites' routing table; ``infer``: FedSM inference), else the per-site Dice table and
+    the timing line."""
+    if "route" in results:
+        return [route_table(results)]
+    if "infer" in results:
+        return [infer_table(results)]
+    return [dice_table({job: results}), timing_summary(results)]

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from nvflare.app_common.abstract.fl_model import FLModel
 
+from pflseg.algorithms.robust import first_nonfinite
 from pflseg.config import check_effective
 from pflseg.data import DataError
 from pflseg.flare.methods import method
@@ -45,6 +46,7 @@ def answer(name: str, task: str, msg: FLModel, site, job_id: str | None = None):
         handler = site.tasks().get(task)
         if handler is None:
             raise ValueError(f"site {name}: task '{task}' is not one of this method's tasks {sorted(site.tasks())}")
+        refuse_broken(name, task, msg)
         t0 = time.time()
         out = handler(msg)
         out.metrics = {**(out.metrics or {}), "compute_seconds": time.time() - t0}
@@ -60,6 +62,15 @@ def answer(name: str, task: str, msg: FLModel, site, job_id: str | None = None):
         if isinstance(exc, DataError):
             site = None  # made again from the next message (the data may be fixed meanwhile)
     return FLModel(params={}, meta={"pflseg_error": error, "site": name}), site
+
+
+def refuse_broken(name: str, task: str, msg: FLModel) -> None:
+    """Refuse a received model holding NaN / Inf or a value beyond ``pflseg.algorithms.robust.MAX_ABS`` (a broken or
+    hostile aggregate): ValueError naming the key, before anything of it is loaded or trained on."""
+    reason = first_nonfinite(msg.params or {})
+    if reason:
+        raise ValueError(f"site {name}: refusing the model received with task '{task}': {reason} (the server's "
+                         "aggregate is broken; nothing of it was loaded)")
 
 
 def _state_root(name: str) -> Path:

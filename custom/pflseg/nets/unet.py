@@ -61,3 +61,15 @@ def build_net(cfg: Mapping) -> nn.Module:
     if name == "lcfed":
         return build_lcfed(cfg)
     raise ValueError(f"net.name: unknown network '{name}'; known: unet, lcfed")
+
+
+def fit_to_sites(cfg: dict, sites: list[str]) -> None:
+    """Size a net config to the federation's ``sites``, in place. The LC-Fed net has one site embedding per site
+    (whatever method trains it): ``n_sites: 0`` becomes the number of sites; fewer than the sites is an error."""
+    if cfg.get("name", "unet") != "lcfed":
+        return
+    if cfg["n_sites"] == 0:
+        cfg["n_sites"] = len(sites)
+    elif cfg["n_sites"] < len(sites):
+        raise ValueError(f"net.n_sites={cfg['n_sites']} but {len(sites)} sites joined ({sites}); "
+                         "set net.n_sites: 0 (one site embedding per connected site)")

@@ -13,6 +13,10 @@ most the site's first accepted n_k), the metrics the task needs (Dice-like value
 finite). A failing answer leaves that site out of that round with the reason in ``missing``; the others
 complete it, so no single site's answer can end the job or take the aggregate over. A site left out of a
 round is sent the next round's task again (re-admitted when it answers; left out again when it does not).
+What one answer alone cannot show, the round's answers together can (``pflseg.flare.guard``, config section
+``robust``): an update norm far beyond the other sites' leaves that site out too, n_k is capped relative to
+the other sites' n_k, the aggregation rule may be robust (median, trimmed mean), and a non-finite aggregate
+is never used (the previous model stays).
 
 Whose state: ``setup`` claims the server's state folder for the FLARE job's id (``pflseg.flare.state.claim``:
 owner recorded, exclusive lock held until the job ends, an earlier job's state of the same name moved aside).
@@ -36,9 +40,10 @@ from nvflare.app_opt.pt.decomposers import TensorDecomposer
 from nvflare.fuel.utils import fobs
 
 from pflseg.config import check_effective
+from pflseg.flare import guard
 from pflseg.flare.state import (RoundStore, StateError, claim, inside, prefixed, release, save_file, state_dir, unprefixed,
                                 write_text)
-from pflseg.nets import build_net
+from pflseg.nets import build_net, fit_to_sites
 from pflseg.train.loop import seed_everything
 
 
@@ -142,7 +147,7 @@ class RoundController(ModelController):
     #: The same for the answer's meta.
     task_meta: dict[str, dict[str, str]] = {}
     #: Tasks whose answers are aggregated with weight n_k: their meta must carry NUM_STEPS_CURRENT_ROUND.
-    weighted_tasks = ("train", "train_selector")
+    weighted_tasks: tuple[str, ...] = ("train",)
 
     def __init__(self, config: dict, task_check_period: float = 0.2):
         super().__init__(persistor_id="", ignore_result_error=True, task_check_period=task_check_period)
@@ -204,6 +209,7 @@ class RoundController(ModelController):
         for r in range(start, self.n_rounds()):
             t0 = time.time()
             self.info(f"round {r + 1}/{self.n_rounds()}: sites {self.sites}")
+            before = guard.snapshot(self)
             try:
                 compute = self.round(r)
             except RoundError as exc:
@@ -211,6 +217,7 @@ class RoundController(ModelController):
                 return
             if self.abort_signal.triggered:
                 return
+            guard.keep_finite(self, r, before)  # a non-finite aggregate is not used: the previous model stays
             wall = time.time() - t0
             self.history.append({"round": r, "wall_seconds": wall, "site_compute_seconds": compute,
                                  "site_metrics": self.site_metrics, **self.round_metrics})
@@ -219,15 +226,8 @@ class RoundController(ModelController):
         self.finish()
 
     def size_net(self) -> None:
-        """LC-Fed's net has one site embedding per site: ``net.n_sites: 0`` becomes the number of sites."""
-        net = self.cfg["net"]
-        if net["name"] != "lcfed":
-            return
-        if net["n_sites"] == 0:
-            net["n_sites"] = len(self.sites)
-        elif net["n_sites"] < len(self.sites):
-            raise ValueError(f"net.n_sites={net['n_sites']} but {len(self.sites)} sites joined ({self.sites}); "
-                             "set net.n_sites: 0 (one site embedding per connected site)")
+        """The net config sized to the connected sites (``pflseg.nets.fit_to_sites``)."""
+        fit_to_sites(self.cfg["net"], self.sites)
 
     def round(self, r: int) -> dict:
         """Run round ``r``: send, collect, aggregate. Returns per-site compute seconds."""
@@ -266,7 +266,7 @@ class RoundController(ModelController):
         """Keep the global model with the best n_k-weighted validation Dice (scored at the sites; every answer's
         val_dice and n_k were checked on arrival)."""
         scores = [(res.metrics["val_dice"], res.meta.get("NUM_STEPS_CURRENT_ROUND", 1) or 1) for res in results.values()]
-        score = sum(s * n for s, n in scores) / sum(n for _, n in scores)
+        score = guard.validation_score(scores, self.cfg)  # n_k capped in send_each (guard.screen)
         self.round_metrics = {"val_dice": {s: res.metrics["val_dice"] for s, res in results.items()}, "val_dice_mean": score}
         if score > self.best["score"]:
             self.best, self.best_state = {"round": r, "score": score}, dict(state)
@@ -319,9 +319,11 @@ class RoundController(ModelController):
                 usable[site] = res
                 self.site_metrics[site] = {k: v for k, v in (res.metrics or {}).items()
                                            if isinstance(v, (int, float)) and k != "compute_seconds"}
-                n_k = res.meta.get("NUM_STEPS_CURRENT_ROUND")
-                if n_k is not None:
-                    self.n_first.setdefault(site, int(n_k))
+        guard.screen(self, task, payloads, usable, reference)  # norm bounds, n_k caps: relative to the others
+        for site, res in usable.items():
+            n_k = res.meta.get("NUM_STEPS_CURRENT_ROUND")
+            if n_k is not None:
+                self.n_first.setdefault(site, int(n_k))
         if len(usable) < need:
             raise RoundError(
                 f"task '{task}': only {len(usable)} of {len(payloads)} site(s) answered usably, min_clients={need}. "
@@ -406,6 +408,7 @@ class RoundController(ModelController):
                 "job": self.cfg["name"], "method": self.cfg["method"], "rounds": self.cfg["rounds"], "sites": self.sites,
                 "best_global_round": self.best["round"], "missing": self.missing, "history": self.history,
                 "test": {s: res.metrics["test"] for s, res in tested.items()}, "config": self.cfg, **self.extra_results(),
+                **guard.result_notes(self),
             }
             self.after_test(results)
         except RoundError as exc:

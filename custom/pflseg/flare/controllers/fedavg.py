@@ -1,13 +1,14 @@
 """FedAvg workflow (also FedProx, whose difference lives at the sites: the proximal term).
 
 Per round: every site gets the global model, trains, returns its model and n_k; the server takes the
-n_k-weighted mean of the full state (``pflseg.algorithms.fedavg.weighted_average``).
+n_k-weighted mean of the full state (``pflseg.algorithms.fedavg.weighted_average``), or the robust rule of
+``robust.aggregation`` (``pflseg.flare.guard.aggregate``).
 """
 
 from __future__ import annotations
 
-from pflseg.algorithms.fedavg import weighted_average
 from pflseg.flare.controllers.base import RoundController
+from pflseg.flare import guard
 from pflseg.flare.state import prefixed, unprefixed
 
 
@@ -25,7 +26,7 @@ class FedAvgController(RoundController):
         return {s: res.metrics.get("compute_seconds", 0.0) for s, res in results.items()}
 
     def aggregate(self, results: dict, r: int) -> None:
-        """Round ``r``: w <- sum_k p_k w_k over the shared keys."""
+        """Round ``r``: w <- sum_k p_k w_k over the shared keys (or ``robust.aggregation``'s rule)."""
         states = [unprefixed("global", res.params) for res in results.values()]
         weights = [res.meta["NUM_STEPS_CURRENT_ROUND"] for res in results.values()]
-        self.global_state = {**self.global_state, **weighted_average(states, weights, self.shared_keys())}
+        self.global_state = {**self.global_state, **guard.aggregate(self.cfg, states, weights, self.shared_keys())}

@@ -27,7 +27,6 @@ import math
 
 import torch
 
-from pflseg.algorithms.fedavg import weighted_average
 from pflseg.algorithms.fedsm import (
     TEMPERATURES,
     add_statistics,
@@ -37,7 +36,9 @@ from pflseg.algorithms.fedsm import (
     lda_head,
     pooled_adam_step,
 )
+from pflseg.algorithms.robust import check_moments
 from pflseg.algorithms.softpull import check_lam, softpull
+from pflseg.flare import guard
 from pflseg.flare.controllers.base import PostTrainingController, RoundController, is_number
 from pflseg.flare.state import RoundStore, prefixed, unprefixed
 from pflseg.nets.selector import build_selector, selector_cfg
@@ -65,6 +66,9 @@ def selector_reference(selector, fedsm: dict) -> dict:
 
 class FedSMController(RoundController):
     task_metrics = {**RoundController.task_metrics, "train_selector": {"selector_loss": "number"}}
+    weighted_tasks = (*RoundController.weighted_tasks, "train_selector")
+    #: the server state a non-finite aggregate must not replace (``pflseg.flare.guard.keep_finite``)
+    guarded_states = ("global_state", "selector", "moments", "person")
 
     def restore(self) -> int:
         start = super().restore()
@@ -125,8 +129,8 @@ class FedSMController(RoundController):
         acc = {s: float(a) for s, a in acc.items() if is_number(a) and 0.0 <= a <= 1.0}
         if not acc:
             return
-        weight = {s: self.n_first.get(s, 1) for s in acc}
-        score = sum(acc[s] * weight[s] for s in acc) / sum(weight.values())
+        weight = {s: self.n_first.get(s, 1) for s in acc}  # first accepted n_k, capped by guard.screen
+        score = guard.validation_score([(acc[s], weight[s]) for s in acc], self.cfg)
         self.round_metrics = {**getattr(self, "round_metrics", {}), "selector_val_acc_mean": score}
         if score <= self.best_selector["score"]:
             return
@@ -144,10 +148,19 @@ class FedSMController(RoundController):
 
     def check_result(self, task: str, site: str, res, reference: dict | None) -> str | None:
         """The base checks; for lda statistics also that they are statistics of the site's n_k images: whole,
-        non-negative class counts summing to n_k, a symmetric Gram matrix with a non-negative diagonal."""
+        non-negative class counts summing to n_k, a symmetric Gram matrix with a non-negative diagonal; for the
+        selector's Adam moments (softmax, batch) ``check_moments``: exp_avg_sq >= 0, each step at least the one
+        sent + 1 and at most it + n_k x ``fedsm.selector_epochs`` (one image per step at least)."""
         reason = super().check_result(task, site, res, reference)
-        if reason or task not in self.weighted_tasks or self.cfg["fedsm"]["selector_fit"] != "lda":
+        if reason or task not in self.weighted_tasks:
             return reason
+        fedsm = self.cfg["fedsm"]
+        if fedsm["selector_fit"] == "softmax" and fedsm["selector_steps"] == "batch":
+            n_k = res.meta["NUM_STEPS_CURRENT_ROUND"]
+            reason = check_moments(unprefixed("moment", res.params), self.moments, n_k * fedsm["selector_epochs"])
+            return f"selector moments: {reason}" if reason else None
+        if fedsm["selector_fit"] != "lda":
+            return None
         stats = unprefixed("stats", res.params)
         count, gram, n_k = stats["count"], stats["gram"], res.meta["NUM_STEPS_CURRENT_ROUND"]
         if (count < 0).any() or not torch.equal(count, count.round()) or int(count.sum()) != n_k:
@@ -170,11 +183,15 @@ class FedSMController(RoundController):
             self.selector = {**self.selector, "classifier.weight": weight, "classifier.bias": bias}
         elif fedsm["selector_steps"] == "epoch":
             grads = [unprefixed("grad", res.params) for res in results.values()]
+            if self.cfg["robust"]["aggregation"] != "mean":  # the sum = K x the robust combination (unweighted)
+                combined = guard.aggregate(self.cfg, grads, [1.0] * len(grads))
+                grads = [{k: v * len(results) for k, v in combined.items()}]
             self.selector, self.moments = pooled_adam_step(self.selector, grads, self.moments, fedsm["selector_lr"])
         else:
             weights = [res.meta["NUM_STEPS_CURRENT_ROUND"] for res in results.values()]
-            self.selector = weighted_average([unprefixed("select", res.params) for res in results.values()], weights)
-            self.moments = average_moments([unprefixed("moment", res.params) for res in results.values()], weights)
+            self.selector = guard.aggregate(self.cfg, [unprefixed("select", res.params) for res in results.values()], weights)
+            self.moments = average_moments([unprefixed("moment", res.params) for res in results.values()], weights,
+                                           **guard.robust_args(self.cfg))
 
     def round(self, r: int) -> dict:
         if r >= self.cfg["rounds"]:
@@ -187,7 +204,7 @@ class FedSMController(RoundController):
         results = self.send_each("train", payloads, reference=reference)
         self.track_best(r, results, self.global_state)
         weights = [res.meta["NUM_STEPS_CURRENT_ROUND"] for res in results.values()]
-        self.global_state = weighted_average([unprefixed("global", res.params) for res in results.values()], weights)
+        self.global_state = guard.aggregate(self.cfg, [unprefixed("global", res.params) for res in results.values()], weights)
         self.fit_selector(results)
         trained = {s: unprefixed("person", res.params) for s, res in results.items()}
         mixed = softpull([trained.get(s, self.person[s]) for s in self.sites], self.cfg["fedsm"]["lam"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pflseg.algorithms.grace import grace_keys, grace_step
 from pflseg.flare.controllers.fedavg import FedAvgController
+from pflseg.flare.guard import robust_args
 from pflseg.flare.state import unprefixed
 from pflseg.nets import build_net
 
@@ -32,7 +33,7 @@ class GraceController(FedAvgController):
         weights = [res.meta["NUM_STEPS_CURRENT_ROUND"] for res in results.values()]
         self.global_state, info = grace_step(
             self.global_state, states, weights, eta_g=grace["eta_g"], mode=grace["similarity"],
-            self_mode=grace["self_similarity"], trainable_keys=trainable, buffer_keys=buffers)
+            self_mode=grace["self_similarity"], trainable_keys=trainable, buffer_keys=buffers, **robust_args(self.cfg))
         sites = list(results)
         self.round_metrics["grace_weights"] = dict(zip(sites, info["p_prime"].tolist()))
         self.round_metrics["similarity"] = {"sites": sites, "matrix": info["sim"].tolist()}

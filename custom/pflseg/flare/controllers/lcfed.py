@@ -16,6 +16,7 @@ from __future__ import annotations
 from pflseg.algorithms.lcfed import average_shared, exchanges_heads
 from pflseg.config import ConfigError
 from pflseg.flare.controllers.fedavg import FedAvgController
+from pflseg.flare.guard import robust_args
 from pflseg.flare.state import prefixed, unprefixed
 from pflseg.nets import build_net
 from pflseg.nets.lcfed import shared_keys
@@ -79,7 +80,7 @@ class LCFedController(FedAvgController):
         results = self.send_each("train", payloads, reference=reference)
         self.track_best(r, results, self.global_state)
         states = [unprefixed("global", res.params) for res in results.values()]
-        self.global_state.update({k: v for k, v in average_shared(states, keys)[0].items() if k in keys})
+        self.global_state.update({k: v for k, v in average_shared(states, keys, **robust_args(self.cfg))[0].items() if k in keys})
         if self.shares_heads():
             down = sum(nbytes(unprefixed("heads", p.params)) for s, p in payloads.items() if s in results)
             for site, res in results.items():

@@ -1,0 +1,251 @@
+"""Robustness of the server's aggregation against one site that lies (issue 23 item 2).
+
+Every answer a site sends passes exact checks on arrival (keys, shapes, dtypes, finite numbers, n_k a
+positive integer under ``max_n_samples``; ``pflseg.flare.controllers.base``). A site can still send finite
+values of any size and any n_k under the cap. The functions here bound what such a site can do:
+
+    weight bound   n_k <- min(n_k, c_n * median_{j != k} n_j)                      (``bounded_weights``)
+    norm bound     leave k out if ||u_k|| > c_u * median_{j != k} ||u_j|| > 0       (``norm_outliers``)
+                   (the whole update u_k = answer - what was sent, and each tensor of it that was sent;
+                   the caller may skip keys: honest sites' Adam second moments differ by 1000x and more)
+    aggregation    mean:          sum_k p_k w_k                  (``fedavg.weighted_average``, the default)
+                   median:        coordinate-wise median of the w_k, unweighted
+                   trimmed_mean:  per coordinate drop the b lowest and b highest values,
+                                  b = min(ceil(trim * K), (K - 1) // 2), weighted mean of the rest
+
+The medians are over the OTHER sites (leave-one-out), so with K = 2 each site is bounded by the other: a
+site cannot raise the median it is judged by. The robust rules ignore the weights (median) or use them only
+among the values that survive trimming (trimmed_mean): a weight is a site's own claim, and a robust rule
+assumes any site may lie. They need K >= 3 to differ from the mean (K = 2: median = mean, nothing trimmed).
+
+Plus the checks that keep one bad number from spreading: ``check_moments`` (FedSM's selector Adam moments:
+exp_avg_sq >= 0, step in its range) and ``first_nonfinite`` (an aggregate or a received model holding NaN /
+Inf or an absurd magnitude). Pure torch; no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from pflseg.algorithms.fedavg import normalized_weights, weighted_average
+
+State = Mapping[str, torch.Tensor]
+
+RULES = ("mean", "median", "trimmed_mean")
+
+#: A received or aggregated value beyond this magnitude is refused: its square overflows float32 (about
+#: 3.4e38), so no trained weight or normalisation statistic of a segmentation net is this large.
+MAX_ABS = 1e18
+
+
+def check_rule(rule: str, trim: float) -> None:
+    """ValueError naming the bad argument: ``rule`` one of ``RULES``, ``trim`` in [0, 0.5)."""
+    if rule not in RULES:
+        raise ValueError(f"aggregation rule: unknown value {rule!r}; known: {', '.join(RULES)}")
+    if not 0.0 <= trim < 0.5:
+        raise ValueError(f"trim must lie in [0, 0.5), got {trim}")
+
+
+def trim_count(k: int, trim: float) -> int:
+    """Values dropped at EACH end of a coordinate by ``trimmed_mean`` over ``k`` sites: ceil(trim * k), at
+    least one when trim > 0, and at most (k - 1) // 2 so that at least one value (two for even k) is kept."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    return min(math.ceil(trim * k - 1e-9), (k - 1) // 2)
+
+
+def combine_rows(block: torch.Tensor, weights: Sequence[float], rule: str = "mean", trim: float = 0.0) -> torch.Tensor:
+    """Combine K rows coordinate by coordinate.
+
+    Args:
+        block: (K, P) values, one row per site (float64 recommended).
+        weights: K non-negative weights (normalised here); used by ``mean`` and, among the kept values, by
+            ``trimmed_mean``; ignored by ``median``.
+        rule: ``mean`` | ``median`` | ``trimmed_mean``.
+        trim: fraction trimmed at each end (``trimmed_mean``), see ``trim_count``.
+
+    Returns:
+        (P,) tensor in ``block``'s dtype.
+    """
+    check_rule(rule, trim)
+    if block.dim() != 2 or block.shape[0] != len(weights):
+        raise ValueError(f"block: expected (K={len(weights)}, P), got {tuple(block.shape)}")
+    k = block.shape[0]
+    p = torch.tensor(normalized_weights(weights), dtype=block.dtype)
+    if rule == "mean":
+        return p @ block
+    values, order = torch.sort(block, dim=0)
+    if rule == "median":
+        lo, hi = (k - 1) // 2, k // 2
+        return (values[lo] + values[hi]) / 2
+    b = trim_count(k, trim)
+    w = p[order][b:k - b]  # each coordinate's weights, in the order of its sorted values
+    total = w.sum(dim=0)
+    kept = values[b:k - b]
+    equal = kept.mean(dim=0)  # where every kept weight is 0 (weights 0 are allowed): the plain mean
+    return torch.where(total > 0, (w * kept).sum(dim=0) / torch.where(total > 0, total, torch.ones_like(total)), equal)
+
+
+def aggregate(states: Sequence[State], weights: Sequence[float], keys: Sequence[str] | None = None,
+              rule: str = "mean", trim: float = 0.0) -> dict:
+    """``rule``'s combination of ``states`` key by key (see the module docstring).
+
+    ``mean`` is ``fedavg.weighted_average`` itself (same numbers, bit for bit); ``median`` / ``trimmed_mean``
+    combine each coordinate over the K states (``combine_rows``, in float64), integer keys rounded back.
+    Same argument checks as ``weighted_average``; inputs are never modified.
+    """
+    check_rule(rule, trim)
+    if rule == "mean":
+        return weighted_average(states, weights, keys)
+    if len(states) != len(weights):
+        raise ValueError(f"states/weights: {len(states)} states but {len(weights)} weights")
+    normalized_weights(weights)  # the same refusals as the mean
+    keys = list(states[0].keys()) if keys is None else list(keys)
+    mean = weighted_average(states, weights, keys)  # checks keys, shapes and dtypes; gives each key's dtype
+    out = {}
+    for key in keys:
+        ref = mean[key]
+        block = torch.stack([s[key].detach().to("cpu", torch.float64).reshape(-1) for s in states])
+        value = combine_rows(block, weights, rule, trim).reshape(ref.shape)
+        out[key] = value.round().to(ref.dtype) if not ref.is_floating_point() else value.to(ref.dtype)
+    return out
+
+
+def _median_of_others(values: Sequence[float], i: int) -> float | None:
+    others = [v for j, v in enumerate(values) if j != i]
+    return statistics.median(others) if others else None
+
+
+def bounded_weights(weights: Sequence[float], ratio: float) -> list[float]:
+    """Each weight capped at ``ratio`` times the median of the OTHER weights; ``ratio`` 0 (or one weight):
+    unchanged. A weight within the bound is returned as given (an honest round is unchanged)."""
+    if ratio < 0:
+        raise ValueError(f"ratio must be >= 0 (0 = no bound), got {ratio}")
+    w = list(weights)
+    if ratio == 0 or len(w) < 2:
+        return w
+    out = []
+    for i, x in enumerate(w):
+        cap = ratio * _median_of_others(w, i)
+        out.append(x if x <= cap else cap)
+    return out
+
+
+def update_norms(answers: Mapping[str, State], sent: Mapping[str, State]) -> tuple[dict, dict]:
+    """Norms of each site's update: ``(whole, per_key)`` with ``whole[site]`` the L2 norm over every key and
+    ``per_key[key][site]`` each tensor's. The update of a key is the answer minus what the site was sent under
+    that key (same shape), else the answer itself (what the task did not send: statistics, gradients, ...).
+    Computed in float64 (a finite float32 of any size has a finite float64 square)."""
+    whole: dict[str, float] = {}
+    per_key: dict[str, dict[str, float]] = {}
+    for site, params in answers.items():
+        given = sent.get(site, {})
+        total = 0.0
+        for key, value in params.items():
+            u = value.detach().to("cpu", torch.float64)
+            base = given.get(key)
+            if base is not None and tuple(base.shape) == tuple(value.shape):
+                u = u - base.detach().to("cpu", torch.float64)
+            sq = float((u * u).sum())
+            per_key.setdefault(key, {})[site] = math.sqrt(sq)
+            total += sq
+        whole[site] = math.sqrt(total)
+    return whole, per_key
+
+
+def _judged(key: str, site: str, sent: Mapping[str, State], skip: Sequence[str]) -> bool:
+    """Whether ``key`` of ``site``'s update is bounded on its own: a tensor the site was sent (its update is a
+    difference), not under a ``skip`` prefix."""
+    return key in sent.get(site, {}) and not key.startswith(tuple(skip))
+
+
+def norm_outliers(answers: Mapping[str, State], sent: Mapping[str, State], ratio: float,
+                  skip: Sequence[str] = ()) -> dict[str, str]:
+    """Sites whose update is beyond ``ratio`` times the median of the OTHER sites' (the whole update, and each
+    tensor the site was sent whose key is not under a ``skip`` prefix): ``{site: reason}``. ``ratio`` 0 or fewer than 2 answers: {}. Where the others' median is 0 (most
+    sites sent back what they were sent: no training, a frozen part) there is no scale to judge by and nothing
+    is left out for that norm; sites that train never send a zero update."""
+    if ratio < 0:
+        raise ValueError(f"ratio must be >= 0 (0 = no bound), got {ratio}")
+    if ratio == 0 or len(answers) < 2:
+        return {}
+    whole, per_key = update_norms(answers, sent)
+    sites = list(answers)
+    out = {}
+    for i, site in enumerate(sites):
+        med = _median_of_others([whole[s] for s in sites], i)
+        if med > 0 and whole[site] > ratio * med:
+            out[site] = (f"update norm {whole[site]:.3g} exceeds {ratio:g} x the median of the other sites' "
+                         f"update norms ({med:.3g})")
+            continue
+        for key, norms in per_key.items():
+            if site not in norms or not _judged(key, site, sent, skip):
+                continue
+            others = [norms[s] for s in sites if s != site and s in norms]
+            med = statistics.median(others) if others else 0.0
+            if med > 0 and norms[site] > ratio * med:
+                out[site] = (f"update of '{key}' has norm {norms[site]:.3g}, beyond {ratio:g} x the median of the "
+                             f"other sites' ({med:.3g})")
+                break
+    return out
+
+
+def norm_ratios(answers: Mapping[str, State], sent: Mapping[str, State], skip: Sequence[str] = ()) -> tuple[float, float, str]:
+    """The largest ratio of a site's update norm to the median of the other sites' (whole update, any tensor
+    with a non-zero median) and that tensor's key: what ``norm_outliers`` compares with its bound, for a log
+    line that shows how far an honest round is from it."""
+    whole, per_key = update_norms(answers, sent)
+    sites = list(answers)
+    worst_whole, worst_key, key_name = 0.0, 0.0, ""
+    for i, site in enumerate(sites):
+        med = _median_of_others([whole[s] for s in sites], i)
+        if med:
+            worst_whole = max(worst_whole, whole[site] / med)
+        for key, norms in per_key.items():
+            others = [norms[s] for s in sites if s != site and s in norms]
+            med = statistics.median(others) if others else 0.0
+            if med > 0 and site in norms and _judged(key, site, sent, skip) and norms[site] / med > worst_key:
+                worst_key, key_name = norms[site] / med, key
+    return worst_whole, worst_key, key_name
+
+
+def check_moments(moments: Mapping[str, torch.Tensor], sent: Mapping[str, torch.Tensor] | None,
+                  max_steps: int) -> str | None:
+    """Why a site's selector Adam moments (flat: ``"<i>.exp_avg"``, ``"<i>.exp_avg_sq"``, ``"<i>.step"``)
+    cannot be averaged, or None: every ``exp_avg_sq`` >= 0 (its square root is taken), every ``step`` >= 1
+    (Adam's bias correction divides by 1 - beta^step) and at most the step the site was sent (0 if none)
+    plus ``max_steps`` (the steps this round can take). Finiteness is checked on arrival."""
+    for key, value in moments.items():
+        if key.endswith(".exp_avg_sq") and (value < 0).any():
+            return f"moment '{key}' has a negative entry ({float(value.min()):.3g}): exp_avg_sq must be >= 0"
+        if key.endswith(".step"):
+            step = float(value.reshape(-1)[0]) if value.numel() else float("nan")
+            start = float(sent[key].reshape(-1)[0]) if sent and key in sent and sent[key].numel() else 0.0
+            if not start + 1 - 1e-6 <= step <= start + max_steps + 1e-6:
+                return (f"moment '{key}' = {step:g} is outside [{start + 1:g}, {start + max_steps:g}] (the step sent "
+                        f"{start:g} plus 1 .. {max_steps} steps of this round)")
+    return None
+
+
+def first_nonfinite(obj, prefix: str = "", max_abs: float = MAX_ABS) -> str | None:
+    """The key (dotted path through nested dicts) of the first floating tensor or number that is NaN, Inf or
+    beyond ``max_abs`` in magnitude, with what is wrong; None if every value is fine."""
+    if torch.is_tensor(obj):
+        if obj.is_floating_point() or obj.is_complex():
+            if not torch.isfinite(obj).all():
+                return f"'{prefix}' holds NaN or Inf"
+            if obj.numel() and float(obj.abs().max()) > max_abs:
+                return f"'{prefix}' holds a value of magnitude {float(obj.abs().max()):.3g} (> {max_abs:g})"
+        return None
+    if isinstance(obj, float):
+        return None if math.isfinite(obj) and abs(obj) <= max_abs else f"'{prefix}' is {obj!r}"
+    if isinstance(obj, Mapping):
+        for key, value in obj.items():
+            reason = first_nonfinite(value, f"{prefix}.{key}" if prefix else str(key), max_abs)
+            if reason:
+                return reason
+    return None

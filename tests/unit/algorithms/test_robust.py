@@ -1,0 +1,161 @@
+"""Robust aggregation and bounds (pflseg.algorithms.robust) on hand-made numbers."""
+
+import math
+
+import pytest
+import torch
+
+from pflseg.algorithms.fedavg import weighted_average
+from pflseg.algorithms.fedsm import average_moments
+from pflseg.algorithms.grace import grace_step
+from pflseg.algorithms.lcfed import average_shared
+from pflseg.algorithms.robust import (
+    aggregate,
+    bounded_weights,
+    check_moments,
+    combine_rows,
+    first_nonfinite,
+    norm_outliers,
+    trim_count,
+    update_norms,
+)
+
+
+def s(*values, dtype=torch.float32):
+    return {"w": torch.tensor(values, dtype=dtype)}
+
+
+def test_mean_is_weighted_average_bit_for_bit():
+    states = [s(1.0, 2.0), s(3.0, 5.0), s(7.0, 11.0)]
+    a, b = aggregate(states, [1, 2, 3]), weighted_average(states, [1, 2, 3])
+    assert torch.equal(a["w"], b["w"])
+
+
+def test_median_is_coordinatewise_and_ignores_the_weights():
+    states = [s(1.0, 9.0), s(2.0, 1e30), s(1e30, 3.0)]
+    out = aggregate(states, [1, 1e6, 1], rule="median")
+    assert out["w"].tolist() == [2.0, 9.0]
+    even = aggregate(states + [s(4.0, 5.0)], [1, 1, 1, 1], rule="median")  # mean of the two middle values
+    assert even["w"].tolist() == [3.0, 7.0]
+
+
+def test_trim_count():
+    assert [trim_count(k, 0.2) for k in (1, 2, 3, 5, 6, 10, 11)] == [0, 0, 1, 1, 2, 2, 3]
+    assert trim_count(5, 0.0) == 0 and trim_count(9, 0.4) == 4 and trim_count(4, 0.4) == 1
+
+
+def test_trimmed_mean_drops_each_end_and_weights_the_rest():
+    # five sites, trim 0.2: one value dropped at each end of every coordinate
+    states = [s(1.0), s(2.0), s(3.0), s(4.0), s(1e30)]
+    out = aggregate(states, [1, 1, 1, 3, 1], rule="trimmed_mean", trim=0.2)
+    assert out["w"].item() == pytest.approx((2 * 1 + 3 * 1 + 4 * 3) / 5)  # 1 and 1e30 dropped
+    low = aggregate([s(-1e30), s(2.0), s(3.0), s(4.0), s(5.0)], [1] * 5, rule="trimmed_mean", trim=0.2)
+    assert low["w"].item() == pytest.approx(3.0)
+
+
+def test_trimmed_mean_with_trim_0_is_the_weighted_mean():
+    block = torch.tensor([[1.0, 2.0], [3.0, 6.0]], dtype=torch.float64)
+    assert torch.allclose(combine_rows(block, [1, 3], "trimmed_mean", 0.0), torch.tensor([2.5, 5.0], dtype=torch.float64))
+
+
+def test_integer_keys_are_rounded_back():
+    states = [{"n": torch.tensor(1)}, {"n": torch.tensor(2)}, {"n": torch.tensor(10)}]
+    out = aggregate(states, [1, 1, 1], rule="median")
+    assert out["n"].dtype == torch.int64 and out["n"].item() == 2
+
+
+def test_bad_rule_and_trim_are_refused():
+    with pytest.raises(ValueError, match="rule"):
+        aggregate([s(1.0)], [1], rule="mode")
+    with pytest.raises(ValueError, match="trim"):
+        aggregate([s(1.0)], [1], rule="trimmed_mean", trim=0.5)
+
+
+def test_weights_are_capped_at_ratio_times_the_others_median():
+    assert bounded_weights([100, 120, 1_000_000], 100) == [100, 120, 100 * 110]
+    assert bounded_weights([10, 120, 60], 100) == [10, 120, 60]  # 12:1 honest sites: unchanged
+    assert bounded_weights([100, 1_000_000], 100) == [100, 10_000]  # K = 2: each bounded by the other
+    assert bounded_weights([5, 1_000_000], 0) == [5, 1_000_000]  # 0 = no bound
+    assert bounded_weights([7], 100) == [7]
+
+
+def test_update_norms_are_against_what_was_sent():
+    sent = {"a": {"w": torch.tensor([1.0, 1.0])}, "b": {"w": torch.tensor([1.0, 1.0])}}
+    answers = {"a": {"w": torch.tensor([4.0, 5.0]), "x": torch.tensor([0.0])},  # x was not sent: its value
+               "b": {"w": torch.tensor([1.0, 1.0]), "x": torch.tensor([2.0])}}
+    whole, per_key = update_norms(answers, sent)
+    assert whole == {"a": 5.0, "b": 2.0} and per_key["w"] == {"a": 5.0, "b": 0.0} and per_key["x"]["b"] == 2.0
+
+
+def test_a_1e30_update_is_an_outlier_and_honest_ones_are_not():
+    sent = {k: {"w": torch.zeros(3)} for k in "abc"}
+    honest = {"a": {"w": torch.tensor([1.0, 0.0, 0.0])}, "b": {"w": torch.tensor([0.0, 12.0, 0.0])}}
+    assert norm_outliers({**honest, "c": {"w": torch.tensor([0.0, 0.0, 3.0])}}, sent, 100) == {}
+    out = norm_outliers({**honest, "c": {"w": torch.full((3,), 1e30)}}, sent, 100)
+    assert list(out) == ["c"] and "update norm" in out["c"]
+    two = norm_outliers({"a": honest["a"], "c": {"w": torch.full((3,), 1e30)}}, sent, 100)  # K = 2
+    assert list(two) == ["c"]
+    assert norm_outliers({**honest, "c": {"w": torch.full((3,), 1e30)}}, sent, 0) == {}
+
+
+def test_one_tensor_scaled_1000x_is_an_outlier_though_the_whole_update_is_not():
+    sent = {k: {"big": torch.zeros(100), "bias": torch.zeros(1)} for k in "abc"}
+    answers = {k: {"big": torch.full((100,), 1.0), "bias": torch.tensor([0.01])} for k in "abc"}
+    answers["c"] = {"big": torch.full((100,), 1.0), "bias": torch.tensor([10.0])}  # whole norm 14.1 vs 10
+    out = norm_outliers(answers, sent, 100)
+    assert list(out) == ["c"] and "'bias'" in out["c"]
+
+
+def test_a_tensor_the_others_leave_unchanged_is_judged_by_the_whole_update_only():
+    sent = {k: {"w": torch.zeros(2), "frozen": torch.zeros(1)} for k in "abc"}
+    answers = {k: {"w": torch.ones(2), "frozen": torch.zeros(1)} for k in "abc"}
+    answers["c"]["frozen"] = torch.tensor([0.5])
+    assert norm_outliers(answers, sent, 100) == {}
+
+
+def test_moments_negative_exp_avg_sq_and_steps_out_of_range_are_refused():
+    good = {"0.exp_avg": torch.tensor([-1.0]), "0.exp_avg_sq": torch.tensor([0.5]), "0.step": torch.tensor(12.0)}
+    assert check_moments(good, {"0.step": torch.tensor(10.0)}, max_steps=5) is None
+    assert check_moments(good, {}, max_steps=12) is None  # nothing sent: step counts from 0
+    bad_sq = {**good, "0.exp_avg_sq": torch.tensor([0.5, -1e-3])}
+    assert "negative" in check_moments(bad_sq, {}, 20)
+    assert "outside" in check_moments({**good, "0.step": torch.tensor(0.0)}, {}, 20)  # Adam divides by 1 - beta^0
+    assert "outside" in check_moments({**good, "0.step": torch.tensor(-5.0)}, {}, 20)
+    assert "outside" in check_moments({**good, "0.step": torch.tensor(1e9)}, {"0.step": torch.tensor(10.0)}, 5)
+    assert "outside" in check_moments(good, {"0.step": torch.tensor(11.5)}, 5)  # fewer steps than it was sent
+
+
+def test_first_nonfinite_names_the_key():
+    assert first_nonfinite({"a": torch.ones(2), "n": torch.tensor(3)}) is None
+    assert "'global.w'" in first_nonfinite({"global.w": torch.tensor([1.0, float("nan")])})
+    assert "'p.q'" in first_nonfinite({"p": {"q": torch.tensor([float("inf")])}})
+    assert "magnitude" in first_nonfinite({"w": torch.tensor([1e30])})
+    assert first_nonfinite({"w": torch.tensor([1e30])}, max_abs=math.inf) is None
+
+
+def test_every_averaging_function_takes_the_rule():
+    states = [s(1.0), s(2.0), s(1e30)]
+    assert average_shared(states, ["w"], rule="median")[0]["w"].item() == 2.0
+    moments = [{"0.exp_avg_sq": torch.tensor([x])} for x in (1.0, 2.0, 1e30)]
+    assert average_moments(moments, [1, 1, 1e6], rule="median")["0.exp_avg_sq"].item() == 2.0
+
+
+def test_grace_median_step_ignores_one_huge_update():
+    g = {"w": torch.zeros(2)}
+    clients = [{"w": torch.tensor([1.0, 1.0])}, {"w": torch.tensor([1.2, 0.9])}, {"w": torch.tensor([1e30, -1e30])}]
+    mean, _ = grace_step(g, clients, [1, 1, 1])
+    assert mean["w"].abs().max() > 1e20  # the paper's weighted sum follows the huge update
+    med, _ = grace_step(g, clients, [1, 1, 1], rule="median")
+    assert med["w"].tolist() == pytest.approx([1.2, 0.9])  # global - median(global - w_k)
+    same, _ = grace_step(g, clients[:2] + [{"w": torch.tensor([1.1, 1.0])}], [1, 1, 1], rule="mean")
+    ref, _ = grace_step(g, clients[:2] + [{"w": torch.tensor([1.1, 1.0])}], [1, 1, 1])
+    assert torch.equal(same["w"], ref["w"])
+
+
+def test_only_sent_tensors_outside_the_skipped_prefixes_are_judged_one_by_one():
+    sent = {k: {"w": torch.zeros(100), "moment.0.exp_avg_sq": torch.zeros(1)} for k in "abc"}
+    answers = {k: {"w": torch.ones(100), "moment.0.exp_avg_sq": torch.tensor([1e-4]), "stats": torch.tensor([1e-4])}
+               for k in "abc"}
+    answers["c"] = {"w": torch.ones(100), "moment.0.exp_avg_sq": torch.tensor([0.2]), "stats": torch.tensor([0.2])}
+    assert list(norm_outliers(answers, sent, 100)) == ["c"]  # the moment, 2000x the others'
+    assert norm_outliers(answers, sent, 100, skip=("moment.",)) == {}  # "stats" was not sent: whole update only
