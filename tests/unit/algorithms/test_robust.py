@@ -101,9 +101,16 @@ def test_a_1e30_update_is_an_outlier_and_honest_ones_are_not():
 def test_one_tensor_scaled_1000x_is_an_outlier_though_the_whole_update_is_not():
     sent = {k: {"big": torch.zeros(100), "bias": torch.zeros(1)} for k in "abc"}
     answers = {k: {"big": torch.full((100,), 1.0), "bias": torch.tensor([0.01])} for k in "abc"}
-    answers["c"] = {"big": torch.full((100,), 1.0), "bias": torch.tensor([10.0])}  # whole norm 14.1 vs 10
+    answers["c"] = {"big": torch.full((100,), 1.0), "bias": torch.tensor([20.0])}  # whole norm 22.4 vs 10
     out = norm_outliers(answers, sent, 100)
     assert list(out) == ["c"] and "'bias'" in out["c"]
+
+
+def test_a_tensor_the_others_barely_move_is_judged_against_a_floor_of_their_whole_update():
+    sent = {k: {"big": torch.zeros(100), "bias": torch.zeros(1)} for k in "abc"}
+    answers = {k: {"big": torch.full((100,), 0.05), "bias": torch.tensor([5e-5])} for k in "abc"}  # whole norm 0.5
+    answers["a"]["bias"] = torch.tensor([0.0114])  # 200x the others' bias update, as an honest site measured
+    assert norm_outliers(answers, sent, 100) == {}  # the floor: 100 x 0.01 x 0.5 = 0.5
 
 
 def test_a_tensor_the_others_leave_unchanged_is_judged_by_the_whole_update_only():
@@ -156,6 +163,6 @@ def test_only_sent_tensors_outside_the_skipped_prefixes_are_judged_one_by_one():
     sent = {k: {"w": torch.zeros(100), "moment.0.exp_avg_sq": torch.zeros(1)} for k in "abc"}
     answers = {k: {"w": torch.ones(100), "moment.0.exp_avg_sq": torch.tensor([1e-4]), "stats": torch.tensor([1e-4])}
                for k in "abc"}
-    answers["c"] = {"w": torch.ones(100), "moment.0.exp_avg_sq": torch.tensor([0.2]), "stats": torch.tensor([0.2])}
-    assert list(norm_outliers(answers, sent, 100)) == ["c"]  # the moment, 2000x the others'
+    answers["c"] = {"w": torch.ones(100), "moment.0.exp_avg_sq": torch.tensor([20.0]), "stats": torch.tensor([20.0])}
+    assert list(norm_outliers(answers, sent, 100)) == ["c"]  # the moment, beyond 100 x (0.01 x the others' whole update)
     assert norm_outliers(answers, sent, 100, skip=("moment.",)) == {}  # "stats" was not sent: whole update only
