@@ -51,6 +51,8 @@ def site_policy(byoc: str = "none") -> dict:
       organisation's sites;
     - ``org_admin``: no submission; manages its organisation's jobs, operates its own sites;
     - ``member``: views only;
+    - ``get_job_log`` (FLARE 2.9 files the server's job log under no command category, so a policy that does not
+      name it refuses it; ``pflseg deploy submit`` follows a job's rounds with it): as ``download_job``;
     - custom code (``byoc``) for ``project_admin`` and ``lead``: ``byoc`` (default none: pflseg jobs run in
       package mode, FLARE builds only classes on the site's ``class_allow_list``); never for the others.
     """
@@ -61,11 +63,14 @@ def site_policy(byoc: str = "none") -> dict:
         "format_version": "1.0",
         "permissions": {
             "project_admin": {**common, "submit_job": "any", "clone_job": "any", "manage_job": "any",
-                              "download_job": "any", "operate": "any", "shell_commands": "o:site", "byoc": byoc},
+                              "download_job": "any", "get_job_log": "any", "operate": "any", "shell_commands": "o:site",
+                              "byoc": byoc},
             "org_admin": {**common, "submit_job": "none", "clone_job": "none", "manage_job": "o:submitter",
-                          "download_job": "o:submitter", "operate": "o:site", "shell_commands": "o:site"},
+                          "download_job": "o:submitter", "get_job_log": "o:submitter", "operate": "o:site",
+                          "shell_commands": "o:site"},
             "lead": {**common, "submit_job": "any", "clone_job": "n:submitter", "manage_job": "n:submitter",
-                     "download_job": "n:submitter", "operate": "o:site", "shell_commands": "o:site", "byoc": byoc},
+                     "download_job": "n:submitter", "get_job_log": "n:submitter", "operate": "o:site",
+                     "shell_commands": "o:site", "byoc": byoc},
             "member": {"view": "any"},
         },
     }

@@ -68,6 +68,7 @@ class _Follow:
 
     def __init__(self, job_id: str, progress):
         self.job_id, self.progress, self.status, self.lines, self.t0 = job_id, progress, None, set(), time.time()
+        self.no_log = False
 
     def __call__(self, sess, job_id, meta, *args, **kwargs) -> bool:
         status = meta.get("status")
@@ -76,7 +77,10 @@ class _Follow:
             self.status = status
         try:
             logs = sess.get_job_logs(job_id, "server").get("logs", {})
-        except Exception:
+        except Exception as exc:  # e.g. a policy without the get_job_log right: say so once, keep following the status
+            if not self.no_log:
+                self.progress(f"round lines unavailable (the server's job log: {exc}); following the job's status only")
+                self.no_log = True
             logs = {}
         for text in logs.values():
             for line in str(text).splitlines():
