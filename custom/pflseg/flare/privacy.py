@@ -105,17 +105,30 @@ class Pseudonyms:
         self._salt: bytes | None = None
 
     def salt(self) -> bytes:
+        """The site's salt, made on first use: written whole to a private temporary file, flushed to disk, then
+        linked into place (atomic, never over an existing salt: a full disk leaves no empty salt that anyone could
+        recompute pseudonyms under). A salt file that is not 64 hex digits is an error naming it."""
         if self._salt is None:
             if not self.path.is_file():
                 self.path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = self.path.with_name(f".{SALT_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 try:
-                    fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                except FileExistsError:  # another worker of this site made it meanwhile
-                    pass
-                else:
                     with os.fdopen(fd, "w") as f:
                         f.write(secrets.token_hex(32))
-            self._salt = bytes.fromhex(self.path.read_text().strip())
+                        f.flush()
+                        os.fsync(f.fileno())
+                    try:
+                        os.link(tmp, self.path)
+                    except FileExistsError:  # another worker of this site made it meanwhile: theirs holds
+                        pass
+                finally:
+                    tmp.unlink(missing_ok=True)
+            text = self.path.read_text().strip()
+            if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
+                raise ValueError(f"{self.path}: not a pseudonym salt (64 hex digits); move it aside and the site "
+                                 "makes a new one (earlier pseudonyms then change)")
+            self._salt = bytes.fromhex(text)
         return self._salt
 
     def __call__(self, case: str) -> str:

@@ -31,7 +31,7 @@ from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 from torch.utils.data import ConcatDataset
 
 from pflseg.data import DataError, load_dataset_info, pooled_dataset, site_dataset
-from pflseg.flare.privacy import Pseudonyms, public_metrics
+from pflseg.flare.privacy import Pseudonyms, public_error, public_metrics, write_local_log
 from pflseg.flare.settings import resolve_data, site_settings
 from pflseg.flare.state import RoundStore, StateError, claim, load_file, prefixed, save_file, state_dir, unprefixed
 from pflseg.nets import build_net
@@ -116,8 +116,10 @@ class Site:
         for split in ("training", "validation", "testing"):
             try:
                 parts.append(self.data(split))
-            except DataError as exc:
-                log.info("site %s: without split %s (%s)", self.name, split, exc)
+            except DataError as exc:  # FLARE's log gets codes and pseudonyms; the detail stays in the site-local log
+                public, detail = public_error(exc, self.name, "all_images", self.store.root.parent, self.pseudonyms)
+                write_local_log(self.store.root.parent, public, detail)
+                log.info("site %s: without split %s (%s)", self.name, split, public)
         if not parts:
             raise DataError(f"site {self.name}: no images in {self.root / self.data_site}; add the site's images")
         return ConcatDataset(parts)

@@ -270,3 +270,27 @@ def test_a_data_error_sends_codes_and_pseudonyms_and_keeps_the_detail_local(atta
     pseudonym = re.search(r"\[((file|case)-[0-9a-f]{16})\]", error).group(1)
     assert f"{pseudonym} = [site-1]" in detail  # which file or case the pseudonym stands for
     assert oct(local.stat().st_mode & 0o777) == "0o600"
+
+
+def test_an_outside_sites_empty_split_is_logged_without_its_paths(tiny_root, tmp_path, monkeypatch, caplog):
+    """A post-training job reads every image of an outside site; a split it cannot use is left out with a log line
+    that FLARE's log may carry: codes there, the paths in the site-local log only."""
+    import json
+    import logging
+    import shutil
+
+    from tests.unit.flare.sites.conftest import Federation
+
+    root = shutil.copytree(tiny_root, tmp_path / "data")
+    dl_path = root / "site-1" / "datalist.json"
+    dl = json.loads(dl_path.read_text())
+    dl["testing"] = []
+    dl_path.write_text(json.dumps(dl))
+    site = Federation("fedavg", root, tmp_path / "state", monkeypatch).site("site-1")
+    with caplog.at_level(logging.DEBUG):
+        images = site.all_images()
+    assert len(images) > 0  # training and validation are still used
+    lines = [r.getMessage() for r in caplog.records if "without split testing" in r.getMessage()]
+    ours = [r for r in caplog.records if r.name.startswith("pflseg")]  # (MONAI's reader logs its own paths)
+    assert lines and not [r for r in ours if str(root) in r.getMessage()], lines
+    assert str(root) in (tmp_path / "state" / "site-1" / "site_errors.log").read_text()
