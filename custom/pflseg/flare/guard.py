@@ -72,9 +72,8 @@ def screen(ctrl, task: str, payloads: dict, usable: dict, reference: dict | None
             res.meta[N_K] = capped
             note = f"n_k {n_k} capped to {capped} ({bounds['n_k_ratio']:g} x the median of the other sites' n_k)"
             ctrl.warning(f"{task}: site {site}: {note}")
-            if not hasattr(ctrl, "n_k_capped"):
-                ctrl.n_k_capped = {}
-            ctrl.n_k_capped[site] = note
+            # in the round's site metrics: the history is checkpointed, so a resumed job still reports it
+            ctrl.site_metrics.setdefault(site, {}).update(n_k_claimed=n_k, n_k_capped=capped)
 
 
 def validation_score(scores: list[tuple[float, float]], cfg: dict) -> float:
@@ -118,12 +117,15 @@ def keep_finite(ctrl, r: int, before: dict) -> None:
 
 
 def result_notes(ctrl) -> dict:
-    """results.json entries of the guard, only when it acted: ``aggregates_rejected`` {round: note} (from the
-    history, so a resumed job keeps them), ``n_k_capped`` {site: note}."""
+    """results.json entries of the guard, only when it acted, both read from the history (checkpointed: a resumed
+    job keeps them): ``aggregates_rejected`` {round: note}, ``n_k_capped`` {site: note of its latest cap}."""
     out = {}
     rejected = {str(h["round"]): h["aggregate_rejected"] for h in ctrl.history if "aggregate_rejected" in h}
     if rejected:
         out["aggregates_rejected"] = rejected
-    if getattr(ctrl, "n_k_capped", None):
-        out["n_k_capped"] = dict(ctrl.n_k_capped)
+    capped = {site: f"n_k {m['n_k_claimed']} capped to {m['n_k_capped']} (round {h['round'] + 1})"
+              for h in ctrl.history for site, m in (h.get("site_metrics") or {}).items()
+              if isinstance(m, dict) and "n_k_capped" in m}
+    if capped:
+        out["n_k_capped"] = capped
     return out

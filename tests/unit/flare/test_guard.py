@@ -39,7 +39,7 @@ def test_honest_sites_12_to_1_are_neither_capped_nor_left_out(tmp_path, monkeypa
     g0 = dict(ctrl.global_state)
     Stub(ctrl, honest)
     ctrl.round(0)
-    assert not ctrl.missing and not getattr(ctrl, "n_k_capped", {}) and ctrl.n_first == N
+    assert not ctrl.missing and not any("n_k_capped" in m for m in ctrl.site_metrics.values()) and ctrl.n_first == N
     key = key_of(g0)
     expected = g0[key] * sum(N[s] * (1 + 0.01 * STEP[s]) for s in N) / sum(N.values())
     assert torch.allclose(ctrl.global_state[key], expected, atol=1e-6)
@@ -71,12 +71,14 @@ def test_a_plausible_update_with_n_k_1e6_is_capped_to_100x_the_others_median(tmp
     stub = Stub(ctrl, reply)
     ctrl.round(0)
     cap = 100 * (10 + 120) // 2  # 100 x the median of the other sites' n_k
-    assert not ctrl.missing and ctrl.n_first["site-3"] == cap and "capped to 6500" in ctrl.n_k_capped["site-3"]
+    assert not ctrl.missing and ctrl.n_first["site-3"] == cap
+    assert ctrl.site_metrics["site-3"]["n_k_claimed"] == 1_000_000 and ctrl.site_metrics["site-3"]["n_k_capped"] == cap
     key = key_of(g0)
     expected = g0[key] * (10 * 1.01 + 120 * 1.02 + cap * 1.03) / (10 + 120 + cap)
     assert torch.allclose(ctrl.global_state[key], expected, atol=1e-6)
     assert ctrl.best["score"] == pytest.approx((0.2 * 10 + 0.2 * 120 + 1.0 * cap) / (130 + cap))  # bounded weight
-    assert result_notes(ctrl)["n_k_capped"]["site-3"].startswith("n_k 1000000 capped")
+    ctrl.history.append({"round": 0, "site_metrics": ctrl.site_metrics})  # as run_rounds keeps (and checkpoints) it
+    assert result_notes(ctrl)["n_k_capped"]["site-3"] == "n_k 1000000 capped to 6500 (round 1)"
     stub.reply = reply
     ctrl.round(1)  # the same n_k again: above its first accepted (capped) value, so it is left out
     assert "exceeds its first accepted value 6500" in ctrl.missing["site-3"]
