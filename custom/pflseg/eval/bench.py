@@ -40,6 +40,7 @@ from pflseg.data import DataError, load_dataset_info, make_synthetic, site_datas
 from pflseg.deploy.data_sites import flare_names, site_view
 from pflseg.deploy.simulator import judge, move_aside, read_record, run_record, run_simulator, workspace_lock
 from pflseg.eval.progress import RunProgress
+from pflseg.eval.markdown import diff_cell, markdown_table
 from pflseg.flare.jobs import export_job
 from pflseg.flare.methods import METHODS
 from pflseg.flare.privacy import SALT_FILE
@@ -468,13 +469,6 @@ def _cell(st: dict | None) -> str:
     return f"{st['mean']:.3f} ± {st['std']:.3f}" if st["n"] > 1 else f"{st['mean']:.3f}"
 
 
-def _diff(d: dict | None) -> str:
-    if not d:
-        return "-"
-    mark = {"better": " **+**", "worse": " **−**", "tie": ""}[d["verdict"]]
-    return f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]{mark}"
-
-
 def _counts(cases: dict, site: str) -> str:
     c = cases.get(site) or {}
     return f"{site} ({c.get('cases', '?')} cases, {c.get('images', '?')} img)" if c else site
@@ -483,12 +477,9 @@ def _counts(cases: dict, site: str) -> str:
 def _rows_table(table: dict, mean: dict, diffs: dict, labels: list[str], sites: list[str], cases: dict,
                 ref_of, names=lambda label: label) -> list[str]:
     head = ["method", *[_counts(cases, s) for s in sites], "mean", "Δ vs reference [95 % CI]", "reference"]
-    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-    for label in labels:
-        cells = [_cell(table[label].get(s)) for s in sites]
-        lines.append(f"| {names(label)} | " + " | ".join(cells) + f" | **{_cell(mean.get(label))}** | "
-                     f"{_diff(diffs.get(label))} | {ref_of(label)} |")
-    return lines
+    return [markdown_table(head, [[names(label), *(_cell(table[label].get(s)) for s in sites),
+                                   f"**{_cell(mean.get(label))}**", diff_cell(diffs.get(label)), ref_of(label)]
+                                  for label in labels])]
 
 
 def to_markdown(report: dict) -> str:
@@ -525,17 +516,16 @@ def to_markdown(report: dict) -> str:
                        "holds on this run" if all(v == "better" for v in verdicts) else "does not hold on this run")
             parts += ["", f"Primary outside comparison (declared before running): {primary['method']} vs "
                           f"{', '.join(primary['against'])} under {TREATMENTS[primary['treatment']]}: "
-                          + "; ".join(f"vs {a} {_diff(d)}" for a, d in primary["differences"].items())
+                          + "; ".join(f"vs {a} {diff_cell(d)}" for a, d in primary["differences"].items())
                           + f" -> the claim {verdict}."]
     if report.get("steps_per_round"):
         sites = report["inside_sites"]
         parts += ["", "Local optimizer steps per round (seed 0, mean over rounds)", "",
-                  "| job | " + " | ".join(sites) + " |", "|---" * (len(sites) + 1) + "|"]
-        parts += [f"| {job} | " + " | ".join(f"{v[s]:.0f}" if s in v else "-" for s in sites) + " |"
-                  for job, v in report["steps_per_round"].items()]
+                  markdown_table(["job", *sites], [[job, *(f"{v[s]:.0f}" if s in v else "-" for s in sites)]
+                                                   for job, v in report["steps_per_round"].items()])]
     if report["timings"]:
-        parts += ["", "| seed | fold | job | seconds |", "|---|---|---|---|"]
-        parts += [f"| {t['seed']} | {t['fold']} | {t['job']} | {t['seconds']:.0f} |" for t in report["timings"]]
+        parts += ["", markdown_table(["seed", "fold", "job", "seconds"], [
+            [t["seed"], t["fold"], t["job"], f"{t['seconds']:.0f}"] for t in report["timings"]])]
     return "\n".join(parts)
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from pflseg.deploy.simulator import run_side_by_side, workspace_lock
 from pflseg.eval.bench import PRIMARY, Bench, paired_difference
 from pflseg.eval.plots import PLOTS_HINT, have_matplotlib, overlay_paths, plot_lines, write_results
+from pflseg.eval.markdown import diff_cell, markdown_table
 from pflseg.flare.methods import METHODS
 
 PRESET = "demo"
@@ -171,21 +172,11 @@ def summarise(rows: dict[str, dict[str, float]], sites: list[str]) -> dict:
     return out
 
 
-def _diff(d: dict | None) -> str:
-    if not d:
-        return "-"
-    mark = {"better": " **+**", "worse": " **−**", "tie": ""}[d["verdict"]]
-    return f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]{mark}"
-
-
 def markdown(table: dict, sites: list[str], counts: dict, images: dict, note=lambda label: "") -> str:
     head = ["method", *[f"{s} ({counts.get(s, '?')} cases, {images.get(s, '?')} img)" for s in sites], "mean",
             "Δ vs FedAvg [95 % CI over (site, case) pairs]"]
-    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-    for label, e in table.items():
-        cells = [f"{e['sites'][s]:.3f}" if s in e["sites"] else "-" for s in sites]
-        lines.append(f"| {label}{note(label)} | " + " | ".join(cells) + f" | **{e['mean']:.3f}** | {_diff(e.get('vs_fedavg'))} |")
-    return "\n".join(lines)
+    return markdown_table(head, [[f"{label}{note(label)}", *(f"{e['sites'][s]:.3f}" if s in e["sites"] else "-" for s in sites),
+                                  f"**{e['mean']:.3f}**", diff_cell(e.get("vs_fedavg"))] for label, e in table.items()])
 
 
 def sentences(table: dict, where: str) -> list[str]:
@@ -258,7 +249,7 @@ def write(demo: Demo, results: dict, report: dict, ws: Path, t0: float) -> str:
         verdict = ("holds on this run" if verdicts == {"better"} else "cannot be judged (too few pairs)"
                    if None in verdicts else "does not hold on this run")
         outside += ["", f"IOP-FL's outside claim ({method} beats {', '.join(against)} under {TREATMENTS[treatment]}): "
-                    + "; ".join(f"vs {a} {_diff(d)}" for a, d in primary.items()) + f" -> the claim {verdict}."]
+                    + "; ".join(f"vs {a} {diff_cell(d)}" for a, d in primary.items()) + f" -> the claim {verdict}."]
     (out / "outside.md").write_text("\n".join(outside) + "\n")
     text += outside + ["", BENCH_HINT]
     written = [out / "inside.md", out / "inside.csv", out / "outside.md"]

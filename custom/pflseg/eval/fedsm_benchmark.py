@@ -22,6 +22,7 @@ from pflseg.data import make_synthetic
 from pflseg.flare.controllers.fedsm import moment_reference
 from pflseg.flare.jobs import export_job
 from pflseg.deploy.simulator import run_simulator
+from pflseg.eval.markdown import markdown_table
 from pflseg.eval.progress import RunProgress
 from pflseg.nets import build_net
 from pflseg.nets.selector import build_selector, selector_cfg
@@ -86,15 +87,16 @@ def run(workspace: str | Path, rounds: int = 20, seeds=(0, 1), progress=print) -
 
 
 def to_markdown(report: dict, gamma: str = "0.9") -> str:
-    lines = ["| seed | site | FedAvg global | FedSM personalized | FedSM super (gamma " + gamma + ") | super gamma 0 | selection at gamma " + gamma + " (global, p1..pK) |",
-             "|---|---|---|---|---|---|---|"]
+    rows = []
     for seed, r in report["seeds"].items():
         for site, m in sorted(r["infer"].items()):
             fa = r["fedavg_global"].get(site)
             fa = f"{fa:.4f}" if fa is not None else f"{m['global']:.4f} (FedSM global, outside)"
             pers = f"{m['personalized']:.4f}" if m["personalized"] is not None else "-"
             sel = ", ".join(f"{x:.2f}" for x in m["selection"][gamma])
-            lines.append(f"| {seed} | {site} | {fa} | {pers} | {m['super'][gamma]:.4f} | {m['super']['0.0']:.4f} | {sel} |")
+            rows.append([seed, site, fa, pers, f"{m['super'][gamma]:.4f}", f"{m['super']['0.0']:.4f}", sel])
+    lines = [markdown_table(["seed", "site", "FedAvg global", "FedSM personalized", f"FedSM super (gamma {gamma})",
+                             "super gamma 0", f"selection at gamma {gamma} (global, p1..pK)"], rows)]
     for name, b in report["bytes"].items():
         lines.append(f"\n- payload per site per round, each way, {name} selector: {b['per_round_each_way'] / 2**20:.2f} MiB "
                      f"(segmentation models {2 * b['segmentation_model'] / 2**20:.2f}, selector {b['selector'] / 2**20:.2f}, "

@@ -18,6 +18,7 @@ import torch
 from pflseg.algorithms.fedavg import weighted_average
 from pflseg.algorithms.grace import grace_keys, grace_step, similarity, update_vectors
 from pflseg.config import load_job_config
+from pflseg.eval.markdown import markdown_table
 
 NET = {"channels": [36, 72, 144, 288, 576], "strides": [2, 2, 2, 2], "num_res_units": 2}
 
@@ -68,8 +69,8 @@ def run(n_sites: int = 6, repeats: int = 5) -> dict:
 def to_markdown(report: dict) -> str:
     t = report["seconds"]
     lines = [f"K = {report['sites']} sites, UNet of {report['parameters'] / 1e6:.2f} M parameters, "
-             f"{report['threads']} torch threads (median seconds)", "", "| step | seconds | / FedAvg |", "|---|---|---|"]
-    lines += [f"| {name} | {sec:.4f} | {sec / t['fedavg']:.2f} |" for name, sec in t.items()]
+             f"{report['threads']} torch threads (median seconds)", "",
+             markdown_table(["step", "seconds", "/ FedAvg"], [[n, f"{sec:.4f}", f"{sec / t['fedavg']:.2f}"] for n, sec in t.items()])]
     lines.append(f"\nGram vs naive similarity: max |difference| {report['max_abs_difference_gram_vs_naive']:.2e}, "
                  f"naive / Gram time {t['similarity_naive'] / t['similarity_gram']:.2f}")
     return "\n".join(lines)

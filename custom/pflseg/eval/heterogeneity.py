@@ -24,6 +24,7 @@ from pflseg.config import load_job_config
 from pflseg.data import load_dataset_info, make_synthetic, site_dataset
 from pflseg.deploy.simulator import run_simulator
 from pflseg.eval.progress import RunProgress
+from pflseg.eval.markdown import markdown_table
 from pflseg.flare.jobs import export_job
 from pflseg.flare.state import RoundStore, load_file, unprefixed
 from pflseg.nets import build_net
@@ -132,9 +133,8 @@ def to_markdown(report: dict) -> str:
     matrix, kinds = report["matrix"], report["kinds"]
     sites = list(kinds)
     head = [s if kinds[s] == "inside" else f"{s} ({kinds[s]})" for s in sites]
-    lines = ["| model \\ test site | " + " | ".join(head) + " |", "|" + "---|" * (len(sites) + 1)]
-    for name, row in matrix.items():
-        lines.append(f"| {name} | " + " | ".join(f"{row[s]:.3f}" for s in sites) + " |")
+    lines = [markdown_table(["model \\ test site", *head],
+                            [[name, *(f"{row[s]:.3f}" for s in sites)] for name, row in matrix.items()])]
     drops = report["other_sites_with_drop_ge_0.15"]
     lines += [
         "",

@@ -16,6 +16,7 @@ import time
 import torch
 
 from pflseg.algorithms.routing import build_routed_model, loss_weights, router_parameters, unsupervised_loss
+from pflseg.eval.markdown import markdown_table
 from pflseg.nets import build_net
 
 
@@ -66,10 +67,9 @@ def measure(size: int, n_experts: int = 5, batch: int = 8, epochs: int = 10, rep
 
 
 def to_markdown(rows: list[dict]) -> str:
-    lines = ["| size | UNet forward s/sample | routed forward s/sample | routing step s/sample | routing s/image (E epochs) | "
-             "routed fwd / UNet | step / UNet | routing / UNet |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['size']} | {r['unet_forward_s_per_sample']:.4f} | {r['routed_forward_s_per_sample']:.4f} | "
-                     f"{r['routing_step_s_per_sample']:.4f} | {r['routing_s_per_image']:.3f} (E={r['epochs']}) | "
-                     f"{r['ratio_routed_forward_to_unet']:.1f} | {r['ratio_step_to_unet']:.1f} | {r['ratio_routing_to_unet']:.0f} |")
-    return "\n".join(lines)
+    head = ["size", "UNet forward s/sample", "routed forward s/sample", "routing step s/sample", "routing s/image (E epochs)",
+            "routed fwd / UNet", "step / UNet", "routing / UNet"]
+    return markdown_table(head, [[r["size"], f"{r['unet_forward_s_per_sample']:.4f}", f"{r['routed_forward_s_per_sample']:.4f}",
+                                  f"{r['routing_step_s_per_sample']:.4f}", f"{r['routing_s_per_image']:.3f} (E={r['epochs']})",
+                                  f"{r['ratio_routed_forward_to_unet']:.1f}", f"{r['ratio_step_to_unet']:.1f}",
+                                  f"{r['ratio_routing_to_unet']:.0f}"] for r in rows])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pflseg.eval.markdown import markdown_table
 from pflseg.flare.methods import METHODS
 from pflseg.infer.routing import METHODS as ROUTE_METHODS
 
@@ -24,14 +25,9 @@ def dice_table(all_results: dict[str, dict]) -> str:
     columns = {name: site_dice(res) for name, res in all_results.items()}
     sites = sorted({s for col in columns.values() for s in col})
     names = list(columns)
-    head = "| site | " + " | ".join(label(all_results[n], n) for n in names) + " |"
-    lines = [head, "|" + "---|" * (len(names) + 1)]
-    for site in sites:
-        cells = [f"{columns[n][site]:.4f}" if site in columns[n] else "-" for n in names]
-        lines.append(f"| {site} | " + " | ".join(cells) + " |")
-    means = [sum(columns[n].values()) / max(len(columns[n]), 1) for n in names]
-    lines.append("| mean | " + " | ".join(f"{m:.4f}" for m in means) + " |")
-    return "\n".join(lines)
+    rows = [[site, *(f"{columns[n][site]:.4f}" if site in columns[n] else "-" for n in names)] for site in sites]
+    rows.append(["mean", *(f"{sum(columns[n].values()) / max(len(columns[n]), 1):.4f}" for n in names)])
+    return markdown_table(["site", *(label(all_results[n], n) for n in names)], rows)
 
 
 #: columns of the per-site test table (``metric_rows``): one row per site and model the site scored
@@ -59,9 +55,7 @@ def metric_rows(results: dict) -> list[dict]:
 
 def metric_table(rows: list[dict]) -> str:
     """Markdown of ``metric_rows``."""
-    lines = ["| " + " | ".join(METRIC_COLUMNS) + " |", "|" + "---|" * len(METRIC_COLUMNS)]
-    lines += ["| " + " | ".join(str(r[c]) for c in METRIC_COLUMNS) + " |" for r in rows]
-    return "\n".join(lines)
+    return markdown_table(METRIC_COLUMNS, [[r[c] for c in METRIC_COLUMNS] for r in rows])
 
 
 def timing_summary(results: dict) -> str:
@@ -84,25 +78,22 @@ def timing_summary(results: dict) -> str:
 def infer_table(results: dict) -> str:
     """FedSM inference job: per site, the global, own personalized (inside sites) and super model Dice per gamma."""
     routes = sorted({r for site in results["infer"].values() for r in site["super"]})
-    lines = ["| site | global | personalized | " + " | ".join(f"super {r}" for r in routes) + " |",
-             "|" + "---|" * (len(routes) + 3)]
+    rows = []
     for name, site in sorted(results["infer"].items()):
         person = site["personalized"]
-        cells = [f"{site['global']['dice']:.4f}", "-" if person is None else f"{person['dice']:.4f}"]
-        cells += [f"{site['super'][r]['dice']:.4f}" if r in site["super"] else "-" for r in routes]
-        lines.append(f"| {name}{'' if site['inside'] else ' (outside)'} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append([f"{name}{'' if site['inside'] else ' (outside)'}", f"{site['global']['dice']:.4f}",
+                     "-" if person is None else f"{person['dice']:.4f}",
+                     *(f"{site['super'][r]['dice']:.4f}" if r in site["super"] else "-" for r in routes)])
+    return markdown_table(["site", "global", "personalized", *(f"super {r}" for r in routes)], rows)
 
 
 def route_table(results: dict) -> str:
     """Markdown: one row per routed site, one column per method (Dice), from the routing job's results.json."""
     rows = results["route"]
     methods = [m for m in ROUTE_METHODS if all(m in r["methods"] for r in rows.values())]
-    lines = ["| outside site | " + " | ".join(methods) + " | routing s/sample/epoch |", "|---" * (len(methods) + 2) + "|"]
-    for site, r in sorted(rows.items()):
-        cells = [f"{r['methods'][m]['dice']:.4f}" if r["methods"][m]["dice"] is not None else "-" for m in methods]
-        lines.append(f"| {site} | " + " | ".join(cells) + f" | {r['seconds_per_sample']:.4f} |")
-    return "\n".join(lines)
+    return markdown_table(["outside site", *methods, "routing s/sample/epoch"], [
+        [site, *(f"{r['methods'][m]['dice']:.4f}" if r["methods"][m]["dice"] is not None else "-" for m in methods),
+         f"{r['seconds_per_sample']:.4f}"] for site, r in sorted(rows.items())])
 
 
 def run_tables(results: dict, job: str) -> list[str]:
