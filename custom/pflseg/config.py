@@ -26,6 +26,7 @@ RANGES = {
     "data.size": (1, 1024),
     "data.synth_sites": (1, 64),
     "net.channels": (1, 1024),
+    "net.num_res_units": (0, 8),
     "net.embed_dim": (1, 1024),
     "net.n_sites": (0, 1024),
     "train.epochs": (1, 1000),
@@ -45,18 +46,41 @@ RANGES = {
     "ft.epochs": (0, 1000),
 }
 MAX_NET_LEVELS = 8  # entries of net.channels / net.strides
+#: Joint bounds of the segmentation network: its parameter count (counted on torch's meta device, nothing is
+#: allocated; the default UNet has 0.2 M, LC-Fed's net 1.7 M) and an estimate of the feature maps one batch keeps
+#: (``activation_bytes``). Each key alone is inside RANGES, but together they could ask for terabytes.
+MAX_NET_PARAMS = 200_000_000
+MAX_ACTIVATION_GIB = 64.0
+NORMS = ("batch", "instance")
+NETS = ("unet", "lcfed")
 
 
 class ConfigError(ValueError):
     """A configuration problem a person can fix: names the key, the file and the fix."""
 
 
+def resource_dir(name: str) -> Path | None:
+    """A folder that ships with pflseg (``app_configs``, ``provisioning``): the checkout's top-level ``<name>/``
+    beside ``custom/`` (their one source), else an installed wheel's copy ``pflseg/_data/<name>/`` (made by
+    setup.py's build step, read with importlib.resources); None when neither is there."""
+    checkout = Path(__file__).resolve().parents[2] / name
+    if checkout.is_dir():
+        return checkout
+    from importlib.resources import files
+
+    packaged = files("pflseg").joinpath("_data", name)
+    return Path(str(packaged)) if packaged.is_dir() else None
+
+
 def configs_dir() -> Path:
-    """The app_configs folder: $PFLSEG_CONFIGS, else the one beside this checkout's custom/."""
+    """The app_configs folder: $PFLSEG_CONFIGS, else the checkout's, else the installed package's
+    (``resource_dir``)."""
     env = os.environ.get("PFLSEG_CONFIGS")
-    path = Path(env) if env else Path(__file__).resolve().parents[2] / "app_configs"
-    if not (path / "defaults.yaml").is_file():
-        raise ConfigError(f"no defaults.yaml in {path}: set PFLSEG_CONFIGS to the app_configs folder of pflseg")
+    path = Path(env) if env else resource_dir("app_configs")
+    if path is None or not (path / "defaults.yaml").is_file():
+        where = path or "this checkout or the installed pflseg (pflseg/_data/app_configs)"
+        raise ConfigError(f"no defaults.yaml in {where}: set PFLSEG_CONFIGS to the app_configs folder of pflseg, or "
+                          "reinstall pflseg from its wheel")
     return path
 
 
@@ -145,6 +169,60 @@ def check_ranges(cfg: Mapping, source: str = "config") -> None:
                           f"entries, which exceeds the cap {MAX_NET_LEVELS}")
 
 
+def activation_bytes(cfg: Mapping, batch: int, training: bool = True) -> float:
+    """Estimated bytes of the feature maps one batch of ``batch`` images keeps in the network: per level i
+    ``size^2 / (s_1 ... s_i)^2 x channels[i]`` float32 values, about 6 tensors each (convolution, normalisation,
+    activation, in the encoder and the decoder) per residual unit plus one, doubled for the gradients when
+    ``training``. An order of magnitude, used to bound the config jointly, not a measurement."""
+    net, side = cfg["net"], cfg["data"]["size"]
+    values, scale = 0.0, 1
+    for level, channels in enumerate(net["channels"]):
+        if level:
+            scale *= net["strides"][level - 1] if level - 1 < len(net["strides"]) else 1
+        values += (side / max(scale, 1)) ** 2 * channels
+    return batch * values * 4 * 6 * (1 + net["num_res_units"]) * (2 if training else 1)
+
+
+def check_net_budget(cfg: Mapping, source: str = "config") -> None:
+    """The network's parameter count (built on torch's meta device) and its activation estimate within
+    ``MAX_NET_PARAMS`` / ``MAX_ACTIVATION_GIB``: ConfigError naming the keys that size them and the numbers."""
+    net = cfg["net"]
+    if net["name"] not in NETS:
+        raise ConfigError(f"{source}: net.name must be one of {', '.join(NETS)}, got {net['name']!r}")
+    if net["norm"] not in NORMS:
+        raise ConfigError(f"{source}: net.norm must be one of {', '.join(NORMS)}, got {net['norm']!r}")
+    if isinstance(net["dropout"], bool) or not 0.0 <= net["dropout"] < 1.0:
+        raise ConfigError(f"{source}: net.dropout must lie in [0, 1), got {net['dropout']!r}")
+    if len(net["strides"]) != len(net["channels"]) - 1 or any(s < 1 for s in net["strides"]):
+        raise ConfigError(f"{source}: net.strides needs len(net.channels) - 1 = {len(net['channels']) - 1} entries "
+                          f">= 1, got {net['strides']!r}")
+    for key, batch, training in (("train.batch_size", cfg["train"]["batch_size"], True),
+                                 ("train.eval_batch_size", cfg["train"]["eval_batch_size"], False)):
+        gib = activation_bytes(cfg, batch, training) / 2**30
+        if gib > MAX_ACTIVATION_GIB:
+            raise ConfigError(f"{source}: data.size={cfg['data']['size']} x {key}={batch} x net.channels="
+                              f"{net['channels']} (net.strides={net['strides']}, net.num_res_units="
+                              f"{net['num_res_units']}) needs about {gib:.0f} GiB of feature maps per batch, over the "
+                              f"budget of {MAX_ACTIVATION_GIB:.0f} GiB (pflseg.config.MAX_ACTIVATION_GIB): lower one "
+                              "of these keys")
+    import torch
+
+    from pflseg.nets import build_net
+
+    sized = dict(net, n_sites=max(net["n_sites"], 1)) if net["name"] == "lcfed" else dict(net)
+    try:
+        with torch.device("meta"):
+            n_params = sum(p.numel() for p in build_net(sized).parameters())
+    except (ValueError, TypeError, AssertionError) as exc:
+        raise ConfigError(f"{source}: net: {exc}") from exc
+    if n_params > MAX_NET_PARAMS:
+        raise ConfigError(f"{source}: the network of net.channels={net['channels']}, net.num_res_units="
+                          f"{net['num_res_units']}, net.in_channels={net['in_channels']}, net.out_channels="
+                          f"{net['out_channels']} has {n_params / 1e6:,.0f} M parameters, over the budget of "
+                          f"{MAX_NET_PARAMS / 1e6:,.0f} M (pflseg.config.MAX_NET_PARAMS): use fewer or narrower "
+                          "levels (net.channels) or fewer residual units (net.num_res_units)")
+
+
 def validate(cfg: Mapping, source: str = "config") -> None:
     """Check values that types alone cannot (ranges, choices). The method name and the method's own rules
     are checked against the registry, ``pflseg.flare.methods.method``, where a job is built or run."""
@@ -155,6 +233,11 @@ def validate(cfg: Mapping, source: str = "config") -> None:
         raise ConfigError(f"{source}: data.synth_task must be prostate or fundus, got {cfg['data']['synth_task']!r}")
     if cfg["train"]["loss"] not in ("dice", "dice_ce"):
         raise ConfigError(f"{source}: train.loss must be dice or dice_ce, got {cfg['train']['loss']!r}")
+    for key, value in (("train.lr", cfg["train"]["lr"]), ("fedsm.selector_lr", cfg["fedsm"]["selector_lr"]),
+                       ("grace.inner_lr", cfg["grace"]["inner_lr"]), ("grace.eta_g", cfg["grace"]["eta_g"])):
+        if isinstance(value, bool) or not 0.0 < value <= 10.0:  # also NaN
+            raise ConfigError(f"{source}: {key} must be a learning rate in (0, 10], got {value!r}")
+    check_net_budget(cfg, source)
     fedsm = cfg["fedsm"]
     if not 0.0 <= fedsm["lam"] <= 1.0 or not 0.0 <= fedsm["gamma"] <= 1.0:
         raise ConfigError(f"{source}: fedsm.lam and fedsm.gamma must lie in [0, 1], got {fedsm['lam']}, {fedsm['gamma']}")
@@ -232,6 +315,37 @@ def validate(cfg: Mapping, source: str = "config") -> None:
         if not (robust[key] == 0 or 1.0 <= robust[key] <= 1e12):
             raise ConfigError(f"{source}: robust.{key} must be 0 (no bound) or in [1, 1e12] (a multiple of the other "
                               f"sites' median; an honest site may be that many times the others), got {robust[key]}")
+    check_update_privacy(cfg["privacy"]["update"], source)
+
+
+#: ``privacy.update.filters`` entries: a FLARE filter class by its dotted path, under the key ``filter`` (FLARE's
+#: config scanner takes any dict with a ``path``, ``class_path`` or ``name`` key inside the job config for a component)
+FILTER_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$"
+
+
+def check_update_privacy(update: Mapping, source: str = "config") -> None:
+    """``privacy.update``: send weights | diff; dp.clip null or in (0, 1e12]; dp.noise_multiplier in [0, 1e6], > 0 only
+    with a clip; filters a list of {filter, args} that needs send: diff."""
+    if update["send"] not in ("weights", "diff"):
+        raise ConfigError(f"{source}: privacy.update.send must be weights or diff, got {update['send']!r}")
+    clip, sigma = update["dp"]["clip"], update["dp"]["noise_multiplier"]
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not 0 < clip <= 1e12):
+        raise ConfigError(f"{source}: privacy.update.dp.clip must be null (off) or a norm bound in (0, 1e12], got {clip!r}")
+    if not 0.0 <= sigma <= 1e6:  # also NaN
+        raise ConfigError(f"{source}: privacy.update.dp.noise_multiplier must lie in [0, 1e6], got {sigma!r}")
+    if sigma > 0 and clip is None:
+        raise ConfigError(f"{source}: privacy.update.dp.noise_multiplier={sigma} needs privacy.update.dp.clip (the noise's "
+                          "standard deviation is noise_multiplier x clip)")
+    filters = update["filters"]
+    for entry in filters:
+        if (not isinstance(entry, Mapping) or set(entry) - {"filter", "args"} or not isinstance(entry.get("filter"), str)
+                or not re.fullmatch(FILTER_PATH, entry["filter"]) or not isinstance(entry.get("args", {}), Mapping)):
+            raise ConfigError(f"{source}: privacy.update.filters entry {entry!r} must be {{filter: <dotted class path>, "
+                              "args: {...}}, e.g. {filter: nvflare.app_common.filters.ExcludeVars, args: {exclude_vars: "
+                              "['global.model.0.conv.unit0.conv.weight']}}")
+    if filters and update["send"] != "diff":
+        raise ConfigError(f"{source}: privacy.update.filters need privacy.update.send: diff (FLARE's filters work on "
+                          "weight differences; on full weights they clip or drop the model itself)")
 
 
 def defaults(config_dir: Path | None = None) -> dict:

@@ -13,7 +13,13 @@ published test part stays the test split; validation is carved from train by cas
 encode classes is decided per site from their values (:mod:`pflseg.data.masks`): two-valued
 ``{0, v}`` masks are binary, ``mask_threshold`` binarises lossy masks, ``classes`` names labelled
 masks. Images may be gray, RGB, RGBA (alpha dropped), 16-bit or palette (converted); their channel
-count is dataset.json's ``in_channels``.
+count is dataset.json's ``in_channels``. A generic site folder with ``images/`` and no ``masks/`` is an
+outside site without masks (what test-time routing and Tent adapt on): all its images are testing entries
+without a label.
+
+Every image and mask is read whole at indexing time: a truncated or corrupt file, a 4D NIfTI, NaN / Inf
+values, and a training site whose validation or test split comes out empty are refused naming the file
+(or the site) and the fix. ``out`` is never written over another data root (``datalist.claim_out``).
 """
 
 from __future__ import annotations
@@ -22,10 +28,11 @@ import os
 import re
 from pathlib import Path
 
-from pflseg.data.datalist import split_cases, suggested_train_size, write_dataset_json, write_datalist
+from pflseg.data.check import empty_split
+from pflseg.data.datalist import claim_out, split_cases, suggested_train_size, write_dataset_json, write_datalist
 from pflseg.data.errors import DataError, Problem, problems_error, shape_mismatch, unreadable
-from pflseg.data.files import file_stem, is_image_file, is_nifti
-from pflseg.data.masks import SiteEncoding, site_encoding
+from pflseg.data.files import file_stem, image_header, is_image_file, is_nifti, read_array
+from pflseg.data.masks import MaskValues, SiteEncoding, site_encoding
 from pflseg.data.summary import FileScan, IndexReport, scan_record, short_side, summarize_site
 
 LAYOUTS: dict[str, str] = {
@@ -126,9 +133,16 @@ def index_report(
         raise problems_error(problems, root)
     if layout == "generic":
         meta.update(_generic_meta(sites, scans, classes))
+    splits = {site: _assign_splits(site, records, seed, val_fraction, test_fraction) for site, records in sites.items()}
+    for site, entries in splits.items():  # a training site needs every split; an outside site only its images
+        if any("label" in r for r in sites[site]):
+            notes[site] += [f"warning: {empty_split(site, root / site, split, len({r['case'] for r in sites[site]})).problem}"
+                            " - it cannot train or pick its best model (it can be an outside site); give it at "
+                            "least 3 cases" for split in ("validation", "testing") if not entries.get(split)]
+    claim_out(out, name=meta["name"], layout=layout, writes=list(sites))
     summaries = []
     for site, records in sites.items():
-        entries = _assign_splits(site, records, seed, val_fraction, test_fraction)
+        entries = splits[site]
         write_datalist(out / site, site, entries)
         summary = summarize_site(site, entries, scans, meta["classes"], meta["label_encoding"])
         summary.notes[:0] = notes[site]
@@ -285,6 +299,15 @@ def _generic(root: Path, out: Path, ignored: list[str]) -> dict[str, list[dict]]
         if not flat and not parts:
             ignored.append(f"{site_dir}: not a site folder (no images/, masks/, train/ or test/ inside)")
             continue
+        if flat == ["images"]:  # images only: an outside site without masks, every image a testing entry
+            records = [{"image": str(image), "case": case, "split": "testing"}
+                       for case, image in sorted(_by_stem(site, site_dir / "images").items())]
+            if records:
+                sites[site] = records
+            else:
+                problems.append(Problem(site, str(site_dir / "images"), "no image files",
+                                        "add the site's images (PNG, JPEG or NIfTI), or remove the site folder"))
+            continue
         records, n_missing = [], len(missing)
         for part in parts or [None]:
             base = site_dir / part if part else site_dir
@@ -310,11 +333,27 @@ def _scan(sites: dict[str, list[dict]]) -> tuple[dict[str, FileScan], list[Probl
     scans, problems = {}, []
     for site, records in sites.items():
         for r in records:
-            scan, unreadable_files = scan_record(site, r)
+            scan, unreadable_files = scan_record(site, r) if "label" in r else _scan_image_only(site, r)
+            if scan is not None:
+                try:  # the whole image: a truncated file, NaN / Inf values (the header alone does not tell)
+                    read_array(r["image"])
+                except Exception as err:  # noqa: BLE001 - any reader failure is a data problem
+                    unreadable_files.append(unreadable(site, r["image"], err))
+                    scan = None
             problems += unreadable_files
             if scan is not None:
                 scans[r["image"]] = scan
     return scans, problems
+
+
+def _scan_image_only(site: str, record: dict) -> tuple[FileScan | None, list[Problem]]:
+    """The scan of an image without a mask (an outside site's): its header, no mask values."""
+    try:
+        shape, channels, mode = image_header(record["image"])
+    except Exception as err:  # noqa: BLE001
+        return None, [unreadable(site, record["image"], err)]
+    return FileScan(image_shape=tuple(shape), channels=channels, mode=mode, mask=MaskValues("", (), False, False),
+                    counts=(), mask_shape=tuple(shape)), []
 
 
 def _shape_problems(sites: dict[str, list[dict]], scans: dict[str, FileScan]) -> list[Problem]:
@@ -322,7 +361,7 @@ def _shape_problems(sites: dict[str, list[dict]], scans: dict[str, FileScan]) ->
     return [
         shape_mismatch(site, r["image"], r["label"], scans[r["image"]].image_shape, scans[r["image"]].mask_shape)
         for site, records in sites.items() for r in records
-        if scans[r["image"]].image_shape != scans[r["image"]].mask_shape
+        if "label" in r and scans[r["image"]].image_shape != scans[r["image"]].mask_shape
     ]
 
 
@@ -340,6 +379,9 @@ def _mask_problems(
     """
     problems = []
     for site, records in sites.items():
+        if not any("label" in r for r in records):  # an outside site without masks
+            notes[site].append("no masks: an outside site (images only, all testing)")
+            continue
         decision = site_encoding(site, [scans[r["image"]].mask for r in records], classes, mask_threshold)
         if isinstance(decision, Problem):
             problems.append(decision)

@@ -1,9 +1,13 @@
 """Dataset checker: every problem of a data root, found at once, each with its file, site and fix.
 
 :func:`check_dataset` reads dataset.json, every site's datalist and every image and mask once, and
-reports unreadable or corrupt files, image/mask shape and spacing mismatches, missing files,
-empty sites, cases in more than one split, wrong channel counts and label values outside the
-expected set. :func:`require_valid` raises one :class:`DataError` listing all of them.
+reports unreadable, truncated or corrupt files, 4D images, NaN / Inf values, image/mask shape and
+spacing mismatches, missing files, empty sites, empty validation or test splits, cases in more than
+one split, wrong channel counts and label values outside the expected set. :func:`require_valid`
+raises one :class:`DataError` listing all of them.
+
+A site whose datalist holds only testing entries without masks is an outside site (images only: what
+test-time routing and Tent adapt on); it is valid without training, validation or masks.
 """
 
 from __future__ import annotations
@@ -25,13 +29,19 @@ from pflseg.data.files import is_nifti, mask_plane, n_channels, read_array, spat
 from pflseg.data.labels import label_problem
 
 SPACING_RTOL = 1e-3
+#: problems ``pflseg data check`` reports but a site's ``require_valid`` lets pass: an empty validation or test
+#: split does not stop an outside site (routing, Tent adapt on every image); a job that needs the split refuses
+#: it by name at the site (``pflseg.flare.sites.base.Site.data``)
+NOT_REFUSED = ("empty_split",)
 
 
-def check_dataset(root: str | Path) -> list[Problem]:
+def check_dataset(root: str | Path, sites: list[str] | None = None) -> list[Problem]:
     """Finds every problem in a data root.
 
     Args:
         root: Data root (dataset.json + one folder per site).
+        sites: Check only these sites (a site checks its own data: another site's bad file is not its
+            problem); None: every site of dataset.json.
 
     Returns:
         The problems found, in site order; empty when the dataset is usable.
@@ -42,12 +52,13 @@ def check_dataset(root: str | Path) -> list[Problem]:
         return problems
     n_classes = len(info["classes"])
     for site in info["sites"]:
-        problems += _check_site(root, site, n_classes, info["in_channels"])
+        if sites is None or site in sites:
+            problems += _check_site(root, site, n_classes, info["in_channels"])
     return problems
 
 
-def require_valid(root: str | Path) -> dict:
-    """Checks a data root and raises when anything is wrong.
+def require_valid(root: str | Path, sites: list[str] | None = None) -> dict:
+    """Checks a data root (or only ``sites`` of it) and raises when anything is wrong.
 
     Returns:
         The validated dataset.json contents.
@@ -55,7 +66,7 @@ def require_valid(root: str | Path) -> dict:
     Raises:
         DataError: Listing all problems at once, one per line.
     """
-    problems = check_dataset(root)
+    problems = [p for p in check_dataset(root, sites) if p.code not in NOT_REFUSED]
     if problems:
         raise problems_error(problems, root)
     return read_dataset_info(root)[0]
@@ -77,10 +88,18 @@ def _check_site(root: Path, site: str, n_classes: int, in_channels: int) -> list
         return [Problem(site, str(site_dir / DATALIST_JSON), str(err).split(": ", 1)[-1].split(". Fix")[0],
                         "regenerate the datalist", "datalist_invalid")]
     problems = []
-    if not datalist.get("training"):
+    if is_unlabeled_outside(datalist):
+        pass  # images only, all testing: an outside site for routing / Tent
+    elif not datalist.get("training"):
         problems.append(Problem(site, str(site_dir / DATALIST_JSON), "empty site: no training entries",
                                 "add training cases for this site or remove it from dataset.json",
                                 "empty_site"))
+    else:
+        for split in ("validation", "testing"):
+            if not datalist.get(split):
+                problems.append(empty_split(site, site_dir / DATALIST_JSON, split,
+                                            len({str(e.get("case")) for s in SPLITS for e in datalist.get(s, [])
+                                                 if isinstance(e, dict)})))
     case_split: dict[str, str] = {}
     for split in SPLITS:
         for k, entry in enumerate(datalist.get(split, [])):
@@ -92,6 +111,22 @@ def _check_site(root: Path, site: str, n_classes: int, in_channels: int) -> list
                                         "split by case: keep every slice of a case in one split",
                                         "case_in_two_splits", case))
     return problems
+
+
+def is_unlabeled_outside(datalist: dict) -> bool:
+    """True for an outside site without masks: testing entries only, none with a ``label``."""
+    testing = datalist.get("testing") or []
+    return (not datalist.get("training") and not datalist.get("validation") and bool(testing)
+            and all(isinstance(e, dict) and "label" not in e for e in testing))
+
+
+def empty_split(site: str, datalist: str | Path, split: str, n_cases: int) -> Problem:
+    """A training site whose validation or test split has no case (best-model choice or the final test would
+    have nothing to score)."""
+    return Problem(site, str(datalist), f"the {split} split is empty ({n_cases} case(s) in all)",
+                   "give the site at least 3 cases (training, validation and test each get one), or a published "
+                   "test part and 2 training cases; a site that only adapts (outside site) may stay as it is",
+                   "empty_split")
 
 
 def _check_entry(site, site_dir, split, k, entry, n_classes, in_channels) -> list[Problem]:

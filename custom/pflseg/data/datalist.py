@@ -149,6 +149,41 @@ def write_dataset_json(
     return path
 
 
+def claim_out(out: str | Path, *, name: str, layout: str, writes: list[str]) -> None:
+    """Refuses to write a data root over another one (``pflseg data synth`` / ``data index``).
+
+    ``out`` may be missing or empty, an earlier data root of the same kind (its dataset.json has this ``name``
+    (the indexed folder's name, ``synthetic-<task>``) and ``layout``: it is rewritten), or, without a
+    dataset.json, hold only the site folders about to be written (``writes``; an interrupted earlier write).
+
+    Raises:
+        DataError: ``out`` is a file, holds another data root, or holds other files (naming them and the fix).
+    """
+    out = Path(out)
+    fix = "pass another --out (a new or empty folder), or move the folder away yourself"
+    if out.exists() and not out.is_dir():
+        raise DataError(f"{out}: is a file, not a folder. Fix: {fix}")
+    if not out.is_dir():
+        return
+    info_path = out / DATASET_JSON
+    if info_path.is_file():
+        try:
+            info = json.loads(info_path.read_text())
+        except (OSError, ValueError):
+            info = None
+        if not isinstance(info, dict):
+            raise DataError(f"{info_path}: not a data root's dataset.json; not overwritten. Fix: {fix}")
+        if info.get("name") != name or info.get("layout") != layout:
+            raise DataError(f"{out}: holds another data root (name {info.get('name')!r}, layout {info.get('layout')!r}); "
+                            f"writing name {name!r}, layout {layout!r} there would overwrite it. Fix: {fix}")
+        return
+    others = sorted(p.name for p in out.iterdir() if not (p.is_dir() and p.name in writes))
+    if others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise DataError(f"{out}: not empty and not a data root (no dataset.json; holds {shown}); not overwritten. "
+                        f"Fix: {fix}")
+
+
 def read_datalist(root: str | Path, site: str) -> dict:
     """Reads ``<root>/<site>/datalist.json``.
 

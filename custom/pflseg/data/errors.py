@@ -60,7 +60,10 @@ def problems_error(problems: list[Problem], root: str | Path) -> DataError:
 
 
 def unreadable(site: str, file: str | Path, err: BaseException) -> Problem:
-    """A file that cannot be opened or decoded."""
+    """A file that cannot be opened or decoded, or (``pflseg.data.files.ImageFormatError``: 4D, NaN / Inf) one
+    that reads but cannot be used: then what is wrong with it and its own fix."""
+    if all(hasattr(err, a) for a in ("problem", "fix", "code")):
+        return Problem(site, str(file), err.problem, err.fix, err.code)
     return Problem(
         site,
         str(file),

@@ -19,6 +19,79 @@ PIL_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff")
 IMAGE_SUFFIXES = NIFTI_SUFFIXES + PIL_SUFFIXES
 
 
+class ImageFormatError(ValueError):
+    """A file that reads but cannot be used as an image or mask (4D, NaN/Inf values); carries what is wrong, the
+    fix and a problem code (:func:`pflseg.data.errors.unreadable` reports them instead of "cannot read")."""
+
+    def __init__(self, path: str | Path, problem: str, fix: str, code: str):
+        super().__init__(f"{path}: {problem}")
+        self.problem, self.fix, self.code = problem, fix, code
+
+
+def check_dimensions(path: str | Path, shape: tuple) -> None:
+    """Raises :class:`ImageFormatError` for a NIfTI of more than 3 axes that are not trailing singletons (a 4D
+    series, several channels or time points in one file): pflseg reads one 2D or 3D single-channel volume."""
+    if len(shape) > 3 and not all(s == 1 for s in shape[3:]):
+        raise ImageFormatError(path, f"{len(shape)}D image of shape {tuple(int(s) for s in shape)}: one 2D or 3D "
+                               "volume per file is read", "split it into one 3D file per volume (e.g. one channel or "
+                               "time point each: nibabel's four_to_three) or keep the one volume you mean",
+                               "image_dimensions")
+
+
+def check_finite(path: str | Path, array: np.ndarray) -> None:
+    """Raises :class:`ImageFormatError` when a floating-point array holds NaN or Inf (training would end with a
+    NaN loss, blamed on the learning rate)."""
+    if np.issubdtype(array.dtype, np.floating):
+        bad = int(array.size - np.count_nonzero(np.isfinite(array)))
+        if bad:
+            raise ImageFormatError(path, f"{bad} of {array.size} values are NaN or Inf",
+                                   "replace them in the file (e.g. numpy.nan_to_num, or re-export the image) or "
+                                   "remove its datalist entry", "non_finite_values")
+
+
+#: the one PIL decoder a file is read with, by its suffix: a ``.png`` whose content is WebP, TIFF, ... is refused
+#: before any other decoder sees it (Pillow's decoders are an attack surface: libwebp's CVE-2023-4863)
+PIL_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".bmp": "BMP", ".tif": "TIFF", ".tiff": "TIFF"}
+#: the largest 2D image read, in pixels (also ``PIL.Image.MAX_IMAGE_PIXELS``): larger is refused before decoding
+MAX_PIXELS = 8192 * 8192
+
+
+def open_image(path: str | Path):
+    """``PIL.Image.open(path)`` with only the decoder of the file's suffix (``PIL_FORMATS``) and at most
+    ``MAX_PIXELS`` pixels; the image is not decoded yet.
+
+    Raises:
+        ImageFormatError: the content is not the format the name says, or the image is too large.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    Image.MAX_IMAGE_PIXELS = MAX_PIXELS
+    suffix = Path(path).suffix.lower()
+    fmt = PIL_FORMATS.get(suffix)
+    if fmt is None:
+        raise ImageFormatError(path, f"'{suffix}' is not a 2D image suffix pflseg reads ({', '.join(PIL_FORMATS)})",
+                               "convert it to PNG or NIfTI", "unreadable_file")
+    try:
+        img = Image.open(path, formats=[fmt])
+    except UnidentifiedImageError as exc:
+        raise ImageFormatError(path, f"cannot read it as {fmt}, the format its name says (its content is another "
+                               "image format, or not an image)", f"convert it to a real {fmt} file (or NIfTI), or "
+                               "remove its datalist entry", "unreadable_file") from exc
+    except Image.DecompressionBombError as exc:
+        raise _too_large(path, str(exc)) from exc
+    if img.width * img.height > MAX_PIXELS:
+        size = f"{img.width} x {img.height} pixels"
+        img.close()
+        raise _too_large(path, size)
+    return img
+
+
+def _too_large(path, size: str) -> ImageFormatError:
+    return ImageFormatError(path, f"image too large ({size}; at most {MAX_PIXELS} pixels are read)",
+                            "downscale it (training reads data.size pixels a side) or remove its datalist entry",
+                            "image_too_large")
+
+
 def is_nifti(path: str | Path) -> bool:
     """True for ``.nii`` / ``.nii.gz`` files."""
     return str(path).lower().endswith(NIFTI_SUFFIXES)
@@ -129,11 +202,10 @@ def image_header(path: str | Path) -> tuple[tuple[int, ...], int, str]:
         import nibabel as nib
 
         shape = tuple(int(s) for s in nib.load(str(path)).shape)
-        shape = shape[:3] if len(shape) > 3 and all(s == 1 for s in shape[3:]) else shape
+        check_dimensions(path, shape)
+        shape = shape[:3] if len(shape) > 3 else shape
         return shape, 1, "NIfTI"
-    from PIL import Image
-
-    with Image.open(path) as img:
+    with open_image(path) as img:
         channels, words = describe_mode(img)
         return (img.height, img.width), channels, words
 
@@ -149,6 +221,7 @@ def read_array(path: str | Path, mask: bool = False) -> tuple[np.ndarray, tuple[
         ``(array, spacing)``; spacing is the NIfTI pixdim of the spatial axes, None for 2D formats.
 
     Raises:
+        ImageFormatError: A NIfTI of more than 3 (non-singleton) axes, or NaN / Inf values.
         Exception: Whatever the reader raises for a missing, truncated or corrupt file.
     """
     path = Path(path)
@@ -156,14 +229,16 @@ def read_array(path: str | Path, mask: bool = False) -> tuple[np.ndarray, tuple[
         import nibabel as nib
 
         img = nib.load(str(path))
+        check_dimensions(path, img.shape)
         data = np.asarray(img.dataobj)
+        check_finite(path, data)
         spacing = tuple(float(z) for z in img.header.get_zooms()[: min(3, data.ndim)])
         return data, spacing
-    from PIL import Image
-
-    with Image.open(path) as img:
+    with open_image(path) as img:
         img.load()
-        return pil_to_array(img, mask=mask), None
+        data = pil_to_array(img, mask=mask)
+    check_finite(path, data)
+    return data, None
 
 
 def spatial_shape(array: np.ndarray, nifti: bool) -> tuple[int, ...]:

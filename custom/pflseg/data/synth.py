@@ -126,7 +126,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pflseg.data.datalist import split_cases, write_dataset_json, write_datalist
+from pflseg.data.datalist import claim_out, split_cases, write_dataset_json, write_datalist
 
 TASKS = ("prostate", "fundus")
 FOV_MM = 160.0
@@ -416,7 +416,8 @@ def make_synthetic(
     and ``cases`` conflict with it (ValueError; pass a dict preset instead).
 
     Args:
-        out: Output folder (created; existing files with the same names are overwritten).
+        out: Output folder (created): new, empty, or an earlier synthetic root of this task (rewritten);
+            another data root or other files there are refused (DataError), never overwritten.
         task: "prostate" (one class) or "fundus" (disc and cup, nested).
         n_sites: Number of sites without a preset (default 6); the last is an outside site when >= 3.
         seed: Data seed (template jitter and every per-case stream); the same seed gives identical arrays.
@@ -452,6 +453,7 @@ def make_synthetic(
     if size < 8 or depth < 1:
         raise ValueError(f"size={size}, depth={depth}: need size >= 8 and depth >= 1")
     out = Path(out)
+    claim_out(out, name=f"synthetic-{task}", layout="synthetic", writes=[p["site"] for p in profiles])
     inside = [p for p in profiles if p["kind"] == "inside"]
     import nibabel as nib
 

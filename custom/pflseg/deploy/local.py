@@ -6,8 +6,10 @@
 
 Every participant runs its provisioned kit's own ``startup/sub_start.sh --once`` (what ``start.sh`` runs,
 without the restart watchdog) in its own process session; the workspace has its own HOME and job storage.
-``federation.json`` in the workspace records the processes, so ``pflseg deploy stop`` can stop a
-federation that ``pflseg deploy local`` left running.
+``federation.json`` in the workspace records the processes (pid, start time and command line), so ``pflseg deploy
+stop`` can stop a federation that ``pflseg deploy local`` left running; a recorded pid that now belongs to another
+process (the pid was reused after a reboot or a crash) is left alone: only a process with the recorded start time
+and command line is signalled.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import psutil
 import yaml
 
 from pflseg.deploy.provision import REPO_PROJECT, loopback_env, provision_loopback
+from pflseg.flare.state import write_text
 
 PROJECT_ADMIN = "admin@pflseg.org"
 
@@ -38,11 +41,13 @@ class LocalFederation:
         self.progress = progress
         self.kits = self._kits()
         self.pids: dict[str, int] = {}
+        self.started: dict[str, dict] = {}  # name -> {"pid", "create_time", "cmdline"} of what this federation started
         self._popen: list[subprocess.Popen] = []  # reaped in stop() when started by this process
         self.killed: set[str] = set()  # sites killed on purpose (the server still lists them until it times out)
         record = self.workspace / "federation.json"
         if record.is_file():
-            self.pids = json.loads(record.read_text())["pids"]
+            saved = json.loads(record.read_text())
+            self.pids, self.started = saved["pids"], saved.get("started", {})
 
     def _kits(self) -> Path:
         return self.workspace / "provision" / yaml.safe_load(self.project_yml.read_text())["name"] / "prod_00"
@@ -72,7 +77,7 @@ class LocalFederation:
         self._provision()
         for site in self.sites():
             cfg = {"threads": max(1, (os.cpu_count() or 1) // len(self.sites())), **(site_config or {})}
-            (self.kit(site) / "local" / "pflseg_site.json").write_text(json.dumps(cfg, indent=1))
+            write_text(self.kit(site) / "local" / "pflseg_site.json", json.dumps(cfg, indent=1))  # mode 0600
         self.progress(f"provisioned {self.kits} (server localhost, sites {', '.join(self.sites())})")
         return self.kits
 
@@ -86,6 +91,11 @@ class LocalFederation:
                                 env=loopback_env(self.workspace), stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         self.pids[name] = proc.pid
+        try:  # Popen returns after the exec: this is the participant's own start time and command line
+            started = psutil.Process(proc.pid)
+            self.started[name] = {"pid": proc.pid, "create_time": started.create_time(), "cmdline": started.cmdline()}
+        except psutil.Error:  # it ended already: nothing to recognise later
+            self.started.pop(name, None)
         self._popen.append(proc)
         self._record()
         return proc.pid
@@ -130,7 +140,7 @@ class LocalFederation:
 
     def kill(self, name: str) -> None:
         """Kill a participant at once with everything it started (a crashed host)."""
-        for proc in self._tree([self.pids[name]]):
+        for proc in self._tree(self._participants([name])):
             _signal(proc, signal.SIGKILL)
         self.killed.add(name)
 
@@ -159,7 +169,7 @@ class LocalFederation:
         psutil.wait_procs(self.processes(), timeout=10)
         for proc in self._popen:
             proc.wait(timeout=10)
-        self.pids = {}
+        self.pids, self.started = {}, {}
         self._record()
         self.progress(f"stopped in {time.time() - t0:.1f} s" + (f"; killed leftovers {killed}" if killed else ""))
         return killed
@@ -180,7 +190,7 @@ class LocalFederation:
     def processes(self) -> list[psutil.Process]:
         """Every live process of this federation: the started ones, their descendants, and any process
         whose command line names this workspace (job processes)."""
-        found = {p.pid: p for p in self._tree(self.pids.values())}
+        found = {p.pid: p for p in self._tree(self._participants(self.pids))}
         marker = str(self.kits)
         for proc in psutil.process_iter(["pid", "cmdline"]):
             try:
@@ -203,12 +213,34 @@ class LocalFederation:
                 pass
         return total
 
-    @staticmethod
-    def _tree(pids) -> list[psutil.Process]:
+    def _participants(self, names) -> list[psutil.Process]:
+        """The live processes of the recorded participants ``names`` that are still what this federation started:
+        the recorded start time and command line (a record without them, from an older pflseg: a command line
+        naming this federation's kits). A pid now used by another process is named in the progress and left out."""
         out = []
-        for pid in pids:
+        for name in names:
+            pid, seen = self.pids.get(name), self.started.get(name)
             try:
-                root = psutil.Process(pid)
+                proc = psutil.Process(pid)
+                cmdline = proc.cmdline()
+                ours = (abs(proc.create_time() - seen["create_time"]) < 1e-3 and cmdline == seen["cmdline"]
+                        if seen else any(str(self.kits) in arg for arg in cmdline))
+            except (psutil.Error, TypeError, ValueError):  # gone (or no pid recorded): nothing to signal
+                continue
+            if ours:
+                out.append(proc)
+            else:
+                self.progress(f"pid {pid} of {name} (federation.json) now belongs to another process "
+                              f"({' '.join(cmdline)[:80] or '?'}); left alone")
+        return out
+
+    @staticmethod
+    def _tree(roots) -> list[psutil.Process]:
+        """``roots`` (processes or pids) and all their descendants."""
+        out = []
+        for root in roots:
+            try:
+                root = root if isinstance(root, psutil.Process) else psutil.Process(root)
                 out += [root, *root.children(recursive=True)]
             except psutil.Error:
                 pass
@@ -216,7 +248,8 @@ class LocalFederation:
 
     def _record(self) -> None:
         self.workspace.mkdir(parents=True, exist_ok=True)
-        (self.workspace / "federation.json").write_text(json.dumps({"pids": self.pids}, indent=1))
+        write_text(self.workspace / "federation.json", json.dumps({"pids": self.pids, "started": self.started},
+                                                                  indent=1))
 
 
 def _alive(proc: psutil.Process) -> bool:

@@ -2,7 +2,9 @@
 
 ``nvflare poc prepare`` (with the workspace's own HOME and NVFLARE_POC_WORKSPACE), then its kits are
 bound to ``localhost`` on a free port and get pflseg's classes on their allow lists; server and sites start
-as separate processes like ``pflseg deploy local``; the job goes in through the FLARE API.
+as separate processes like ``pflseg deploy local``; the job goes in through the FLARE API. Its provisioning state
+(``cert.json``: every private key) is made private (``pflseg.deploy.provision.protect_ca_state``). Every POC site is
+the researcher's own, so each site's policy allows a job of two sites (``two_sites``; a POC's default is 2).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 from pflseg.flare.allowlist import add_to_resources
 from pflseg.deploy.local import LocalFederation
-from pflseg.deploy.provision import free_port, loopback_env
+from pflseg.deploy.provision import free_port, loopback_env, protect_ca_state
 
 
 class PocFederation(LocalFederation):
@@ -30,6 +32,10 @@ class PocFederation(LocalFederation):
     def _kits(self) -> Path:
         return self.workspace / "poc" / "example_project" / "prod_00"
 
+    def provision(self, site_config: dict | None = None) -> Path:
+        """As ``LocalFederation.provision``; every site's policy allows two-site jobs (one researcher's sites)."""
+        return super().provision({"policy": {"two_sites": True}, **(site_config or {})})
+
     def _provision(self) -> None:
         (self.workspace / "home").mkdir(parents=True, exist_ok=True)
         env = {**loopback_env(self.workspace), "NVFLARE_POC_WORKSPACE": str(self.workspace / "poc")}
@@ -38,6 +44,8 @@ class PocFederation(LocalFederation):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0 or not self.kits.is_dir():
             raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): {proc.stdout[-1500:]}{proc.stderr[-1500:]}")
+        for cert in (self.workspace / "poc").rglob("cert.json"):  # FLARE writes every private key into it, 0644
+            protect_ca_state(cert.parent)
         shutil.copy(self.workspace / "poc" / "project.yml", self.workspace / "project.yml")
         port = free_port()
         server = self._server()

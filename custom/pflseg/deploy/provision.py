@@ -12,7 +12,10 @@ startup kit what a package-mode deployment needs:
   ``project_admin`` shell commands everywhere): no BYOC (package-mode jobs carry configuration only), shell
   commands for a site's own organisation only, job submission for ``project_admin`` and ``lead``;
 - every site's ``local/resources.json.default`` turns FLARE's log streaming off (``allow_log_streaming``,
-  true in FLARE 2.9's kits): a site's logs stay at the site.
+  true in FLARE 2.9's kits): a site's logs stay at the site;
+- the provisioning state folder (``<workspace>/<project>/state``) is made ``0700`` and its ``cert.json``
+  ``0600``: FLARE's CertBuilder keeps the root CA's and EVERY participant's private key in that file and writes it
+  with the umask's mode (0644 as a rule). The kits' own ``*.key`` files FLARE writes ``0600`` itself.
 
 ``provision_loopback`` provisions the same project on this machine only: the server is ``localhost`` on a
 free port, storage inside the workspace, HOME inside the workspace (nvflare writes ~/.nvflare).
@@ -30,9 +33,11 @@ from pathlib import Path
 import yaml
 from nvflare.lighter.spec import Builder
 
+from pflseg.config import resource_dir
 from pflseg.flare.allowlist import add_to_resources
 
-REPO_PROJECT = Path(__file__).resolve().parents[3] / "provisioning" / "project.yml"
+#: the deployment template: the checkout's provisioning/project.yml, or an installed wheel's copy of it
+REPO_PROJECT = (resource_dir("provisioning") or Path("provisioning")) / "project.yml"
 CLIENT_OUTCOME_WAIT_S = 10
 
 
@@ -99,6 +104,14 @@ class PflsegBuilder(Builder):
         self.byoc = byoc
         site_policy(byoc)  # a wrong value fails before provisioning starts
 
+    def initialize(self, project, ctx):
+        protect_ca_state(Path(ctx.get_state_dir()))
+
+    def finalize(self, project, ctx):
+        """Runs just before FLARE's CertBuilder writes ``cert.json`` (builders finalize in reverse order): the file is
+        made ``0600`` now (created empty when absent), so that FLARE's rewrite keeps that mode."""
+        protect_ca_state(Path(ctx.get_state_dir()), create=True)
+
     def build(self, project, ctx):
         server = project.get_server()
         policy = json.dumps(site_policy(self.byoc), indent=2)
@@ -117,6 +130,25 @@ class PflsegBuilder(Builder):
             for entry in conf["servers"]:
                 entry["heart_beat_timeout"] = int(self.heart_beat_timeout)
             fed_server.write_text(json.dumps(conf, indent=2))
+
+
+#: FLARE's provisioning state: the root CA's and every participant's private key (``nvflare.lighter.impl.cert``)
+CERT_STATE = "cert.json"
+
+
+def protect_ca_state(state: Path, create: bool = False) -> Path:
+    """``state`` (a provisioning workspace's ``state`` folder) made ``0700`` and its ``cert.json`` ``0600``;
+    ``create``: an absent ``cert.json`` is created empty with that mode (for FLARE to fill). Returns the file."""
+    state.mkdir(parents=True, exist_ok=True)
+    os.chmod(state, 0o700)
+    cert = state / CERT_STATE
+    if cert.exists() or create:
+        fd = os.open(cert, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+        finally:
+            os.close(fd)
+    return cert
 
 
 def _set_storage(resources_file: Path, root: Path) -> None:
@@ -175,6 +207,7 @@ def provision_loopback(workspace: str | Path, project_yml: str | Path = REPO_PRO
     kits = workspace / "provision" / project["name"] / "prod_00"
     if proc.returncode != 0 or not kits.is_dir():
         raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): {proc.stdout[-1500:]}{proc.stderr[-1500:]}")
+    protect_ca_state(kits.parent / "state")  # also for a project.yml without PflsegBuilder
     return kits
 
 

@@ -69,6 +69,12 @@ class Interrupted(BaseException):
         return f"stopped after round {self.rounds_done}; {hint} (workspace {self.workspace})"
 
 
+def server_state(workspace: str | Path, job: str) -> Path:
+    """Where a run in ``workspace`` keeps job ``job``'s server state: its rounds, ``results.json``, the bundle a
+    post-training job reads."""
+    return Path(workspace) / "state" / "server" / job
+
+
 def raise_interrupted(signum, frame) -> None:
     """Signal handler: the signal becomes ``Interrupted`` (e.g. SIGTERM, whose default ends Python at once)."""
     raise Interrupted(signum)
@@ -176,7 +182,7 @@ def _run_locked(job_dir: Path, workspace: Path, n_sites, threads, data, progress
     cmd = ["nvflare", "simulator", str(job_dir), "-w", str(workspace / "sim"), "-n", str(n_sites),
            "-t", str(threads or n_sites)] + (["-c", ",".join(clients)] if clients else [])
     progress(f"[{name}] {' '.join(cmd)}")
-    results_path = workspace / "state" / "server" / name / "results.json"
+    results_path = server_state(workspace, name) / "results.json"
     results_path.unlink(missing_ok=True)
     log_path = workspace / "simulator.log"
     t0 = time.time()
@@ -203,7 +209,7 @@ def _run_locked(job_dir: Path, workspace: Path, n_sites, threads, data, progress
             with _signals_ignored():  # a second Ctrl-C must not cut the stop short (SIGKILL follows after a grace)
                 if proc is not None:
                     _stop_simulator(proc, workspace)
-            latest = RoundStore(workspace / "state" / "server" / name, clean=False).latest()
+            latest = RoundStore(server_state(workspace, name), clean=False).latest()
             raise Interrupted(getattr(exc, "signum", signal.SIGINT), workspace,
                               0 if latest is None else latest + 1) from None
         except Exception:  # whatever went wrong here, no simulator is left running
@@ -216,15 +222,41 @@ def _run_locked(job_dir: Path, workspace: Path, n_sites, threads, data, progress
             if peak is not None:
                 peak.stop()
     if not results_path.is_file():
+        reason = panic_reason(server_log)
         raise RuntimeError(
-            f"job {name} did not finish (simulator exit {proc.returncode}); see {log_path} and "
-            f"{workspace / 'sim' / 'server' / 'log.txt'}"
+            f"job {name} did not finish (simulator exit {proc.returncode})"
+            + (f": the server stopped it: {reason}" if reason else "")
+            + f"; see {log_path} and {server_log}"
         )
     results = json.loads(results_path.read_text())
     results["footprint"] = {"wall_seconds": time.time() - t0, "peak_rss_gib": peak.peak / 2**30}
     results_path.write_text(json.dumps(results, indent=1, sort_keys=True))
     write_text(workspace / RECORD, json.dumps({**record, "finished": _now()}, indent=1, sort_keys=True))
     return results
+
+
+PANIC = "Aborting current RUN due to FATAL_SYSTEM_ERROR received: "
+
+
+def panic_reason(server_log: Path) -> str | None:
+    """Why the server's controller ended the run (its ``panic``: a bad config, too few sites, a checkpoint that
+    does not fit), from FLARE's server log; None when it says nothing of the kind."""
+    try:
+        lines = server_log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    found = [line.split(PANIC, 1)[1].strip() for line in lines if PANIC in line]
+    return found[0] if found else None
+
+
+def result_warnings(results: dict) -> list[str]:
+    """What a person must know before trusting a finished run's numbers: the best global model (chosen on
+    validation Dice among the model each round started from and the final one) is the untrained initial model."""
+    if results.get("best_global_round") == 0:
+        return [f"warning: the best global model by validation Dice is the untrained initial model (the one round 1 "
+                f"started from; rounds={results.get('rounds')}): the global numbers are of a network that never "
+                "trained. Run more rounds (--rounds), or check train.lr and the data (pflseg data check)"]
+    return []
 
 
 def _relay(stream, log_file, name: str, progress) -> None:
@@ -362,7 +394,7 @@ def workspace_lock(workspace: str | Path):
         finally:
             held[1] -= 1
         return
-    ws.mkdir(parents=True, exist_ok=True)
+    check_workspace(ws)
     fd = os.open(ws / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     if fcntl is not None:
         try:
@@ -381,6 +413,28 @@ def workspace_lock(workspace: str | Path):
         del _LOCKS[str(ws)]
         os.ftruncate(fd, 0)
         os.close(fd)
+
+
+def check_workspace(workspace: str | Path) -> Path:
+    """Make ``workspace`` (a folder) if it is not there; returns it.
+
+    Raises:
+        NotADirectoryError: it, or a folder above it, is a file (names the file and the fix).
+        PermissionError: it cannot be made or written there.
+    """
+    ws = Path(workspace).resolve()
+    blocker = next((p for p in [ws, *ws.parents] if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise NotADirectoryError(f"workspace {ws}: {blocker} is a file, not a folder; give --workspace a folder (a "
+                                 "new one is made) or move the file away")
+    try:
+        ws.mkdir(parents=True, exist_ok=True)
+    except PermissionError as exc:
+        raise PermissionError(f"workspace {ws}: cannot make or write it ({exc.strerror}); give --workspace a folder "
+                              "you may write") from None
+    if not os.access(ws, os.W_OK | os.X_OK):
+        raise PermissionError(f"workspace {ws}: not writable; give --workspace a folder you may write")
+    return ws
 
 
 def _busy(ws: Path) -> str:
@@ -508,7 +562,7 @@ def judge(workspace: str | Path, job: str, expected: dict, more_rounds: bool = F
         its data and sites were not recorded, so only its config was compared).
     """
     ws = Path(workspace)
-    server = ws / "state" / "server" / job
+    server = server_state(ws, job)
     results = (server / "results.json").is_file()
     rounds = RoundStore(server, clean=False).latest() is not None
     earlier = read_record(ws, job)

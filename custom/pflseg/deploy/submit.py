@@ -95,17 +95,69 @@ class _Follow:
 
 def metrics_table(results: dict) -> str:
     """Per-site metrics of a finished job: final test Dice of the global and the site's own model, last
-    validation Dice, and the sites left out with the reason."""
-    last_val = results["history"][-1].get("val_dice", {}) if results.get("history") else {}
-    lines = [f"job {results.get('job_id', '')} {results['job']} ({results['method']}, {results['rounds']} rounds) "
-             f"{results.get('status', '')}",
-             "| site | test Dice (global) | test Dice (site's own) | last val Dice |", "|---|---|---|---|"]
-    for site in results["sites"]:
-        test = results["test"].get(site)
-        glob = f"{test['global']['dice']:.4f}" if test and "global" in test else "-"
-        own = f"{test['site']['dice']:.4f}" if test and "site" in test else "-"
-        val = f"{last_val[site]:.4f}" if site in last_val else "-"
-        lines.append(f"| {site} | {glob} | {own} | {val} |")
-    for site, why in sorted(results.get("missing", {}).items()):
+    validation Dice, each site's data source (``synthetic`` or ``site data``), and the sites left out with the
+    reason. A value a site sent malformed (not a number in [0, 1], not a dict, ...) shows as ``?`` and a line names
+    the site and the key; everything else is still shown."""
+    bad: list[str] = []
+    history = results.get("history") if isinstance(results.get("history"), list) else []
+    last_val = _part(history[-1] if history else {}, "val_dice", "history[-1]", bad)
+    test = _part(results, "test", "results", bad)
+    lines = [f"job {results.get('job_id', '')} {results.get('job', '?')} ({results.get('method', '?')}, "
+             f"{results.get('rounds', '?')} rounds) {results.get('status', '')}".rstrip(),
+             "| site | data | test Dice (global) | test Dice (site's own) | last val Dice |", "|---|---|---|---|---|"]
+    sites = results.get("sites")
+    if not isinstance(sites, list):
+        bad.append(f"results: 'sites' is {sites!r}, not a list of site names; the sites' test results are listed")
+        sites = sorted(test, key=str)
+    for site in sites:
+        own = test.get(site)
+        if own is not None and not isinstance(own, dict):
+            bad.append(f"site {site}: test is {_short(own)}, not a dict of its models' metrics")
+            own = {}
+        own = own or {}
+        data = own.get("data_source", "-")
+        if not isinstance(data, str) or len(data) > 40:
+            bad.append(f"site {site}: test.data_source is {_short(data)}, not a short text")
+            data = "?"
+        cells = [_dice(own, ("global", "dice"), site, "test", bad), _dice(own, ("site", "dice"), site, "test", bad),
+                 _dice(last_val, (site,), site, "history[-1].val_dice", bad)]
+        lines.append(f"| {site} | {data} | " + " | ".join(cells) + " |")
+    missing = _part(results, "missing", "results", bad)
+    for site, why in sorted(missing.items(), key=lambda kv: str(kv[0])):
         lines.append(f"left out: {site}: {why}")
+    lines += [f"malformed: {line}" for line in bad]
     return "\n".join(lines)
+
+
+def _part(node, key: str, where: str, bad: list[str]) -> dict:
+    """``node[key]`` when it is a dict; {} with a line in ``bad`` naming ``where.key`` when it is something else."""
+    value = node.get(key) if isinstance(node, dict) else None
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        bad.append(f"{where}: '{key}' is {_short(value)}, not a dict")
+        return {}
+    return value
+
+
+def _dice(node: dict, path: tuple, site: str, where: str, bad: list[str]) -> str:
+    """The Dice at ``node[path...]`` as ``0.1234``; ``-`` when absent; ``?`` with a line in ``bad`` when it is not a
+    number in [0, 1]."""
+    value, name = node, where
+    for key in path:
+        if not isinstance(value, dict):
+            bad.append(f"site {site}: {name} is {_short(value)}, not a dict")
+            return "?"
+        if key not in value:
+            return "-"
+        value = value[key]
+        name = name if key == site else f"{name}.{key}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        bad.append(f"site {site}: {name} is {_short(value)}, not a Dice in [0, 1]")
+        return "?"
+    return f"{value:.4f}"
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -38,7 +38,8 @@ from torch.utils.data import ConcatDataset
 from pflseg.config import load_job_config
 from pflseg.data import DataError, load_dataset_info, make_synthetic, site_dataset
 from pflseg.deploy.data_sites import flare_names, site_view
-from pflseg.deploy.simulator import judge, move_aside, read_record, run_record, run_simulator, workspace_lock
+from pflseg.deploy.simulator import (judge, move_aside, read_record, run_record, run_simulator, server_state,
+                                     workspace_lock)
 from pflseg.eval.progress import RunProgress
 from pflseg.eval.markdown import diff_cell, markdown_table
 from pflseg.flare.jobs import export_job
@@ -210,7 +211,7 @@ class Bench:
         return trained
 
     def results(self, seed: int, fold: str, job: str) -> dict:
-        return json.loads((self.run_dir(seed, fold, job) / "state" / "server" / job / "results.json").read_text())
+        return json.loads((server_state(self.run_dir(seed, fold, job), job) / "results.json").read_text())
 
     def finished(self, seed: int, fold: str, job: str) -> bool:
         """Whether the run finished earlier with exactly this bench's settings (it is then read back)."""
@@ -222,7 +223,7 @@ class Bench:
                 "min_clients": len(self.clients(fold, job))}
         if job in self.after:
             trained, key, more = self.after[job]
-            bundle = str(self.run_dir(seed, fold, trained) / "state" / "server" / trained)
+            bundle = str(server_state(self.run_dir(seed, fold, trained), trained))
             over[key] = {**over.get(key, {}), "bundle": bundle, **more}
         return over
 
@@ -355,7 +356,7 @@ class Bench:
     def global_dice_at(self, seed: int, fold: str, job: str, h: str) -> dict:
         """Scores of ``job``'s final best global model on every labelled image of the held-out site ``h``."""
         res = self.results(seed, fold, job)
-        ckpt = RoundStore(self.run_dir(seed, fold, job) / "state" / "server" / job).final()
+        ckpt = RoundStore(server_state(self.run_dir(seed, fold, job), job)).final()
         net = build_net(res["config"]["net"])
         net.load_state_dict({**net.state_dict(), **(unprefixed("best", ckpt) or unprefixed("global", ckpt))})
         parts = []

@@ -21,7 +21,7 @@ from pflseg.config import load_job_config
 from pflseg.data import make_synthetic
 from pflseg.flare.controllers.fedsm import moment_reference
 from pflseg.flare.jobs import export_job
-from pflseg.deploy.simulator import run_simulator
+from pflseg.deploy.simulator import run_simulator, server_state
 from pflseg.eval.markdown import markdown_table
 from pflseg.eval.progress import RunProgress
 from pflseg.nets import build_net
@@ -64,7 +64,7 @@ def run(workspace: str | Path, rounds: int = 20, seeds=(0, 1), progress=print) -
             steps.start(f"seed {seed}: {name}")
             out[name] = run_simulator(job, ws / f"seed{seed}" / name, n_sites=3, data=data, progress=progress)
             steps.done()
-        bundle = ws / f"seed{seed}" / "fedsm" / "state" / "server" / "fedsm"
+        bundle = server_state(ws / f"seed{seed}" / "fedsm", "fedsm")
         job = export_job("fedsm_infer", ws / f"seed{seed}" / "jobs", overrides={"fedsm": {"bundle": str(bundle)}, "seed": seed})
         steps.start(f"seed {seed}: fedsm_infer")
         out["infer"] = run_simulator(job, ws / f"seed{seed}" / "infer", n_sites=4, data=data, progress=progress)

@@ -22,7 +22,7 @@ import torch
 
 from pflseg.config import load_job_config
 from pflseg.data import load_dataset_info, make_synthetic, site_dataset
-from pflseg.deploy.simulator import run_simulator
+from pflseg.deploy.simulator import run_simulator, server_state
 from pflseg.eval.progress import RunProgress
 from pflseg.eval.markdown import markdown_table
 from pflseg.flare.jobs import export_job
@@ -119,7 +119,7 @@ def measure(workspace: str | Path, rounds: int = 20, task: str = "prostate", see
     cfg = load_job_config("fedavg", overrides=over)
     for site in inside:
         models[f"local:{site}"] = unprefixed("model", load_file(ws / "local" / "state" / site / "local" / "best.pt"))
-    store = RoundStore(ws / "fedavg" / "state" / "server" / "fedavg")
+    store = RoundStore(server_state(ws / "fedavg", "fedavg"))
     models["fedavg"] = unprefixed("best", store.final())
     matrix = {name: _score(state, cfg, root, sites) for name, state in models.items()}
     n_train = {s: len(site_dataset(root, s, "training", size=cfg["data"]["size"])) for s in inside}

@@ -1,9 +1,13 @@
 """The classes a package-mode pflseg job asks FLARE to build, for the sites' ``class_allow_list``.
 
 A job without custom code (package mode) only runs classes a site allows in its ``local/resources.json``
-(``class_allow_list``; FLARE's built-in list when absent). pflseg adds exactly its own job classes
-(every method's controller and the site executor) to FLARE's default list: explicit classes, not a
-``pflseg.`` prefix, so a site allows what it has reviewed and nothing else.
+(``class_allow_list``; FLARE's built-in list when absent). What pflseg's provisioning, POC and simulator runs
+write there (``allow_list``) is exactly: FLARE 2.9's default list (``DEFAULT_CLASS_ALLOW_LIST``: 88 classes of
+FLARE's own, its workflows, executors, aggregators, persistors, privacy filters and widgets, which FLARE's kits
+allow anyway) plus pflseg's own job classes by exact name (every method's controller and the site executor,
+``pflseg_classes``: no ``pflseg.`` prefix). pflseg's jobs name only ``job_classes``: pflseg's classes and two of
+FLARE's (``FLARE_CLASSES``); a site that allows nothing else writes that list (README, "Hospital IT"). FLARE filters
+a job adds (``privacy.update.filters``) must be on the site's list too.
 """
 
 from __future__ import annotations
@@ -24,6 +28,17 @@ def pflseg_classes() -> list[str]:
     from pflseg.flare.methods import METHODS
 
     return sorted({_path(m.controller) for m in METHODS.values()} | {_path(SiteExecutor)})
+
+
+#: FLARE's classes that every pflseg job names (``pflseg.flare.jobs.build_job``): the sites' event relay and the
+#: server's TensorBoard receiver
+FLARE_CLASSES = ("nvflare.app_common.widgets.convert_to_fed_event.ConvertToFedEvent",
+                 "nvflare.app_opt.tracking.tb.tb_receiver.TBAnalyticsReceiver")
+
+
+def job_classes() -> list[str]:
+    """Every class a pflseg job (package mode, default privacy settings) asks FLARE to build."""
+    return sorted(FLARE_CLASSES) + pflseg_classes()
 
 
 def allow_list() -> list[str]:

@@ -8,7 +8,9 @@ becomes an error reply that names the problem (the server leaves the site out of
 dead site. The reply, and the ERROR line in FLARE's log, carry what may leave the site only
 (``pflseg.flare.privacy.public_error``: data problems as codes, counts and pseudonyms; no absolute path; an
 unforeseen exception by its type); the full detail goes to the site-local ``<state root>/site_errors.log``,
-which the reply names. The site claims its state folder for the FLARE job's id (``flare.get_job_id()``).
+which the reply names. The site claims its state folder for the FLARE job's id (``flare.get_job_id()``). Before
+the site is made and before every task, the site's own policy (``pflseg.flare.policy.check_task``, read from its
+settings every time) may refuse what the job asks; a test reply names the site's data source (``data_source``).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from pflseg.algorithms.robust import first_nonfinite
 from pflseg.config import check_effective
 from pflseg.data import DataError
 from pflseg.flare.methods import method
+from pflseg.flare.policy import check_task
 from pflseg.flare.privacy import Pseudonyms, public_error, write_local_log
-from pflseg.flare.settings import site_settings
+from pflseg.flare.settings import data_source, site_settings
 from pflseg.flare.state import state_dir
 
 log = logging.getLogger("pflseg.client")
@@ -40,9 +43,14 @@ def answer(name: str, task: str, msg: FLModel, site, job_id: str | None = None):
     state_root = store.root.parent if store is not None else None
     try:
         if site is None:
-            cfg = check_effective(msg.meta["pflseg"], "job config sent by the server")
+            cfg, sites = check_effective(msg.meta["pflseg"], "job config sent by the server"), msg.meta["sites"]
             state_root = _state_root(name)
-            site = method(cfg).site(name, cfg, msg.meta["sites"], job_id)
+        else:
+            cfg, sites = site.cfg, site.sites
+        settings = site_settings(name)  # read again for every task: the site may tighten its policy mid-job
+        check_task(name, task, cfg, sites, settings, job_id)  # the site's own policy, before anything is made or run
+        if site is None:
+            site = method(cfg).site(name, cfg, sites, job_id)
         handler = site.tasks().get(task)
         if handler is None:
             raise ValueError(f"site {name}: task '{task}' is not one of this method's tasks {sorted(site.tasks())}")
@@ -50,6 +58,8 @@ def answer(name: str, task: str, msg: FLModel, site, job_id: str | None = None):
         t0 = time.time()
         out = handler(msg)
         out.metrics = {**(out.metrics or {}), "compute_seconds": time.time() - t0}
+        if isinstance(out.metrics.get("test"), dict):  # results.json and the admin's table name each site's data
+            out.metrics["test"] = {**out.metrics["test"], "data_source": data_source(settings)}
         return out, site
     except Exception as exc:  # noqa: BLE001 - every failure is a reply, never a dead site
         if state_root is None:

@@ -2,7 +2,8 @@
 
 A job is: the method's controller (carrying the whole effective config), the TensorBoard receiver on the
 server, and on every site the one client script (``pflseg.flare.client``) run by FLARE's Client API
-executor with torch tensors end to end. Two ways to ship the code:
+executor with torch tensors end to end; with ``privacy.update.filters``, FLARE filters on the train task's answer
+(task_result_filters in config_fed_client.json). Two ways to ship the code:
 
 - ``package`` (default): sites pip-install pflseg; the job carries no code at all (no ``app/custom``), its
   site executor is ``pflseg.flare.executor.SiteExecutor`` (runs the installed launcher), and FLARE only
@@ -15,17 +16,22 @@ executor with torch tensors end to end. Two ways to ship the code:
 from __future__ import annotations
 
 import contextlib
+import importlib
+import inspect
 import json
 import shutil
 from pathlib import Path
 
+from nvflare.apis.dxo import DataKind
+from nvflare.apis.filter import Filter
 from nvflare.app_common.widgets.convert_to_fed_event import ConvertToFedEvent
 from nvflare.app_opt.tracking.tb.tb_receiver import TBAnalyticsReceiver
 from nvflare.client.config import ExchangeFormat
 from nvflare.job_config.api import FedJob
+from nvflare.job_config.defs import FilterType
 from nvflare.job_config.script_runner import ScriptRunner
 
-from pflseg.config import job_names, load_job_config
+from pflseg.config import ConfigError, job_names, load_job_config
 from pflseg.flare.executor import SiteExecutor
 from pflseg.flare.methods import method
 
@@ -51,8 +57,33 @@ def build_job(cfg: dict, mode: str = "package") -> FedJob:
     else:  # relative to the script's folder, so that the job carries it as app/custom/job_client.py (see in_script_dir)
         job.to_clients(ScriptRunner(script=CLIENT_SCRIPT.name, server_expected_format=ExchangeFormat.PYTORCH))
     job.to_clients(ConvertToFedEvent(events_to_convert=["analytix_log_stats"], fed_event_prefix="fed."), id="event_to_fed")
+    for k, spec in enumerate(cfg["privacy"]["update"]["filters"]):
+        job.to_clients(update_filter(spec), id=f"update_filter_{k}", filter_type=FilterType.TASK_RESULT, tasks=["train"])
     job.set_app_packages(["pflseg"])
     return job
+
+
+def update_filter(spec: dict):
+    """The FLARE filter of a ``privacy.update.filters`` entry ``{filter, args}`` (on the train task's answer at every
+    site, after pflseg's own update path: with ``privacy.update.send: diff`` it sees weight differences)."""
+    module, _, name = spec["filter"].rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"privacy.update.filters: cannot import {spec['filter']!r} ({exc}); name a FLARE filter class, "
+                          "e.g. nvflare.app_common.filters.PercentilePrivacy") from exc
+    if not (isinstance(cls, type) and issubclass(cls, Filter)):
+        raise ConfigError(f"privacy.update.filters: {spec['filter']!r} is not a FLARE Filter (nvflare.apis.filter.Filter)")
+    args = dict(spec.get("args") or {})
+    if "data_kinds" in inspect.signature(cls).parameters and "data_kinds" not in args:
+        args["data_kinds"] = [DataKind.WEIGHT_DIFF]  # never applied to full weights
+    try:
+        obj = cls(**args)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"privacy.update.filters: {spec['filter']}({spec.get('args')}) fails: {exc}") from exc
+    for name, value in args.items():  # FLARE's export writes the attribute of each argument's name: put back what was
+        setattr(obj, name, value)     # given (ExcludeVars keeps a compiled regex there); this object is only exported
+    return obj
 
 
 def export_job(name: str, out_dir: str | Path, overrides: dict | None = None, mode: str = "package",

@@ -5,14 +5,16 @@ Site-local settings, first found wins:
      (``./`` = the site's working directory; ``pflseg site init`` writes it), with keys
      ``data`` (a data root made by ``pflseg data synth|index``), ``data_site`` (the site's folder name
      inside it, default: the FLARE site name), ``device`` (``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``),
-     ``state_dir`` (where personalized state and checkpoints live), ``threads`` (torch CPU threads; 0 =
-     torch's default);
+     ``state_dir`` (where personalized state and checkpoints live; may lie outside the kit), ``threads`` (torch
+     CPU threads; 0 = torch's default), ``policy`` (what the site runs and lets leave it: ``pflseg.flare.policy``);
   2. environment ``PFLSEG_DATA``, ``PFLSEG_DEVICE`` and ``PFLSEG_THREADS`` override ``data``, ``device`` and
      ``threads`` (``pflseg run`` sets them: several simulated sites share one machine).
 
 With no data configured at all, the site makes the job's deterministic synthetic data set in its
-workspace and says so in its log; a data location that is configured but missing or invalid is an error
-that names the site, the path and the fix: never a silent fall-back.
+workspace and says so in its log (in the simulator; a POC or provisioned site only when the job opts in,
+``data.allow_synthetic``: ``pflseg.flare.policy.check_task``); a data location that is configured but missing or
+invalid is an error that names the site, the path and the fix: never a silent fall-back. ``check_site`` (``pflseg
+site init`` and ``site check``) says what is wrong with a site's settings before any job runs.
 """
 
 from __future__ import annotations
@@ -22,17 +24,23 @@ import logging
 import os
 from pathlib import Path
 
-from pflseg.data import DataError, load_dataset_info, make_synthetic, require_valid
+from pflseg.data import DataError, check_dataset, load_dataset_info, make_synthetic, require_valid
+from pflseg.flare.policy import check_policy, describe
+from pflseg.flare.state import private_dir, write_text
 
 log = logging.getLogger("pflseg.site")
-KEYS = ("data", "data_site", "device", "state_dir", "threads")
+KEYS = ("data", "data_site", "device", "state_dir", "threads", "policy")
+SETTINGS_FILE = "pflseg_site.json"
 
 
-def site_settings(site: str) -> dict:
-    """Site-local settings (see module docstring) plus ``source``: where they came from."""
-    settings = {"data": None, "data_site": None, "device": "auto", "state_dir": None, "threads": 0, "source": "defaults"}
+def site_settings(site: str, folder: str | Path | None = None) -> dict:
+    """Site-local settings (see module docstring) plus ``source``: where they came from (``policy_source``: where
+    the policy came from). ``folder``: the site's working directory (default: the current one)."""
+    settings = {"data": None, "data_site": None, "device": "auto", "state_dir": None, "threads": 0, "policy": None,
+                "source": "defaults", "policy_source": "defaults (no site settings file)"}
     env_file = os.environ.get("PFLSEG_SITE_CONFIG")
-    candidates = [Path(env_file)] if env_file else [Path("local/pflseg_site.json"), Path("pflseg_site.json")]
+    base = Path(folder or ".")
+    candidates = [Path(env_file)] if env_file else [base / "local" / SETTINGS_FILE, base / SETTINGS_FILE]
     for path in candidates:
         if path.is_file():
             try:
@@ -40,12 +48,15 @@ def site_settings(site: str) -> dict:
             except (OSError, json.JSONDecodeError) as exc:
                 raise DataError(f"site {site}: site config {path.resolve()} is not valid JSON ({exc}); "
                                 f"rewrite it with `pflseg site init`") from exc
+            if not isinstance(loaded, dict):
+                raise DataError(f"site {site}: site config {path.resolve()} holds {type(loaded).__name__}, not an "
+                                f"object of {', '.join(KEYS)}; rewrite it with `pflseg site init`")
             unknown = set(loaded) - set(KEYS)
             if unknown:
                 raise DataError(f"site {site}: site config {path.resolve()} has unknown key(s) {sorted(unknown)}; "
                                 f"known: {', '.join(KEYS)}")
             settings.update(loaded)
-            settings["source"] = str(path.resolve())
+            settings["source"] = settings["policy_source"] = str(path.resolve())
             break
         if env_file:
             raise DataError(f"site {site}: PFLSEG_SITE_CONFIG={env_file} does not exist; fix the path or unset it")
@@ -55,7 +66,99 @@ def site_settings(site: str) -> dict:
         settings["device"] = os.environ["PFLSEG_DEVICE"]
     if os.environ.get("PFLSEG_THREADS"):
         settings["threads"] = int(os.environ["PFLSEG_THREADS"])
+    settings["policy"] = check_policy(settings["policy"], settings["policy_source"], site)
     return settings
+
+
+def init_site(site_dir: str | Path, site: str, data: str | Path, data_site: str | None = None, device: str = "auto",
+              state_dir: str | Path | None = None, policy: dict | None = None) -> tuple[Path, list[str]]:
+    """Check, then write ``<site_dir>/local/pflseg_site.json`` (mode 0600) for FLARE site ``site``
+    (``pflseg site init``); a ``state_dir`` is made with mode 0700 (it may lie outside the kit).
+
+    Returns:
+        ``(settings file, problems)``: nothing is written when there are problems (``check_site``).
+
+    Raises:
+        PolicyError: ``policy`` has an unknown key or a value of the wrong kind.
+    """
+    target = Path(site_dir) / "local" / SETTINGS_FILE
+    body = {"data": str(Path(data).expanduser().resolve()), "device": device}
+    if data_site:
+        body["data_site"] = data_site
+    if state_dir:
+        body["state_dir"] = str(Path(state_dir).expanduser().resolve())
+    if policy:
+        body["policy"] = policy
+    settings = {"data_site": None, "state_dir": None, **body, "policy": check_policy(policy, str(target), site)}
+    problems = check_site(site, settings)
+    if problems:
+        return target, problems
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if state_dir:
+        private_dir(body["state_dir"])
+    write_text(target, json.dumps(body, indent=1) + "\n")
+    return target, []
+
+
+def site_report(site_dir: str | Path, site: str) -> tuple[list[str], list[str]]:
+    """What the site in ``site_dir`` runs with (``pflseg site check``): ``(lines, problems)``, lines naming its
+    settings, where its state goes, its policy and whether its data validates."""
+    settings = site_settings(site, site_dir)
+    state_root = (f"{os.environ['PFLSEG_STATE_DIR']}/{site} (environment PFLSEG_STATE_DIR)"
+                  if os.environ.get("PFLSEG_STATE_DIR") else settings["state_dir"]
+                  or f"{Path(site_dir).resolve() / 'pflseg_state'} (default: inside the kit)")
+    lines = [f"site {site}: settings from {settings['policy_source']}",
+             f"  data: {settings['data'] or 'none (synthetic, in the simulator or when a job opts in)'}"
+             f"{' (' + settings['source'] + ')' if settings['source'] != settings['policy_source'] else ''}",
+             f"  data site: {settings['data_site'] or site}", f"  device: {settings['device']}",
+             f"  state: {state_root}", f"  threads: {settings['threads'] or 'torch default'}",
+             "policy (what this site runs and lets leave it):", *describe(settings["policy"])]
+    problems = check_site(site, settings)
+    lines.append("data: valid" if not problems else f"{len(problems)} problem(s):")
+    return lines + [f"  - {p}" for p in problems], problems
+
+
+def data_source(settings: dict) -> str:
+    """Where the site's data comes from, in words that may leave the site (results.json, the admin's table):
+    ``synthetic`` (none configured: the job's synthetic data set) or ``site data``."""
+    return "synthetic" if settings["data"] is None else "site data"
+
+
+def check_site(site: str, settings: dict) -> list[str]:
+    """What is wrong with ``site``'s settings (``site_settings``), one line each with the fix; empty when its data
+    location holds a valid data root with the site's folder and its device exists here."""
+    problems = []
+    device = str(settings.get("device") or "auto")
+    if device not in ("auto", "cpu") and not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
+        problems.append(f"device '{device}' is not auto, cpu, cuda or cuda:N; pass --device auto")
+    elif device.startswith("cuda"):
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(device[5:]) if ":" in device else 0
+        if index >= count:
+            problems.append(f"device '{device}': this machine has {count} CUDA device(s) visible "
+                            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); use auto or cpu")
+    if settings["data"] is None:
+        problems.append("no data configured: a deployed site refuses jobs that do not opt in to synthetic data "
+                        "(data.allow_synthetic); set it with `pflseg site init --data DIR`")
+        return problems
+    root = Path(settings["data"]).expanduser()
+    if not root.is_dir():
+        return problems + [f"data location {root} does not exist; prepare it with `pflseg data index|synth` or fix "
+                           "--data"]
+    try:
+        info = load_dataset_info(root)
+    except DataError as exc:
+        return problems + [f"data location {root} is not a data root: {exc}; make one with `pflseg data index`"]
+    data_site = settings.get("data_site") or site
+    if data_site not in info["sites"]:
+        return problems + [f"data root {root} has no site folder '{data_site}' (it holds {info['sites']}); pass "
+                           f"--data-site with one of them"]
+    for problem in check_dataset(root):
+        if problem.site in ("", data_site):
+            problems.append(f"data: {problem}")
+    return problems
 
 
 def synthetic_root(data_cfg: dict, base: Path | None = None) -> Path:
@@ -93,5 +196,5 @@ def resolve_data(site: str, settings: dict, data_cfg: dict, sites: list[str] | N
             f"site {site}: data root {root} (from {source}) has no site(s) {missing}; it holds {info['sites']}. "
             f"Set data_site in the site config, or run the job with at most {len(info['sites'])} sites"
         )
-    require_valid(root)
+    require_valid(root, needed)  # this site's own data (and the pooled sites'): a bad file elsewhere is not its problem
     return root, data_site

@@ -22,6 +22,11 @@ and the other job), and, when a fresh (non-resume) job of another id finds an ea
 aside to ``<job name>.<earlier job id>`` before anything is written: never deleted. ``resume: true``
 continues whatever is there. The simulator gives every run the job id ``simulate_job``: running it again
 is the same job, whose round-0 start replaces the state as before.
+
+Who may read it: models trained on patient data and the site's overlays and predictions, so folders pflseg makes
+for state are ``0700`` and the files it writes ``0600`` (``PRIVATE_DIR``, ``PRIVATE_FILE``; set when created,
+whatever the process's umask); a state folder a job claims is made ``0700`` too. The state root can lie outside
+the FLARE workspace (the site settings' ``state_dir``, ``pflseg site init --state-dir``).
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ except ImportError:  # Windows: no advisory locks; ownership is still recorded
 
 _ROUND_FILE = re.compile(r"round_(\d{4,})\.pt$")
 log = logging.getLogger("pflseg.state")
+#: modes of what pflseg makes for state: folders only the site's (or server's) user can enter, files only it reads
+PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600
 
 
 class StateError(RuntimeError):
@@ -154,11 +161,43 @@ def write_text(path: str | Path, text: str) -> None:
     _write(Path(path), lambda f: f.write(text), "w")
 
 
+def private_dir(folder: str | Path) -> Path:
+    """Make ``folder`` and its missing parents with mode ``PRIVATE_DIR`` (0700, whatever the umask); a folder that
+    exists already keeps its mode. Returns ``folder``."""
+    folder = Path(folder)
+    missing = []
+    for parent in [folder, *folder.parents]:
+        if parent.is_dir():
+            break
+        missing.append(parent)
+    for made in reversed(missing):
+        try:
+            made.mkdir(mode=PRIVATE_DIR)
+        except FileExistsError:  # made meanwhile by another process (another site, the simulator's next worker)
+            continue
+        os.chmod(made, PRIVATE_DIR)
+    if not folder.is_dir():
+        folder.mkdir(parents=True, exist_ok=True)  # raises what stands in the way (a file of that name)
+    return folder
+
+
+def private_open(path: str | Path, mode: str = "wb"):
+    """``open(path, mode)`` for writing, the file created (or truncated) with mode ``PRIVATE_FILE`` (0600)."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in mode else os.O_TRUNC)
+    fd = os.open(path, flags, PRIVATE_FILE)
+    try:
+        os.fchmod(fd, PRIVATE_FILE)  # a file that existed keeps its mode otherwise
+        return os.fdopen(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _write(path: Path, write, mode: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, mode) as f:
+        private_dir(path.parent)
+        with private_open(tmp, mode) as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -250,14 +289,16 @@ def claim(folder: str | Path, job_id: str, resume: bool, wait: float = 30.0) -> 
         if held[0] == job_id:
             return None
         raise _in_use(folder, held[0])
-    folder.mkdir(parents=True, exist_ok=True)
+    private_dir(folder)
+    _make_private(folder)
     fd = _lock(folder, job_id, wait)
     try:
         previous, moved = owner(folder), None
         if previous != job_id and not resume and _holds_state(folder):
             moved = _aside(folder, previous or "unknown")
             os.rename(folder, moved)  # the held lock travels with the moved folder's .lock
-            folder.mkdir()
+            folder.mkdir(mode=PRIVATE_DIR)
+            _make_private(folder)
             fd_new = _lock(folder, job_id, 0)
             os.close(fd)
             fd = fd_new
@@ -279,7 +320,7 @@ def release(folder: str | Path) -> None:
 
 
 def _lock(folder: Path, job_id: str, wait: float) -> int:
-    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, PRIVATE_FILE)
     if fcntl is None:
         return fd
     deadline, waiting = time.monotonic() + wait, False
@@ -305,6 +346,15 @@ def _in_use(folder: Path, holder: str | None) -> StateError:
     return StateError(f"state folder {folder} is in use by job {holder or '(unknown id)'}, which is running with the "
                       f"same job name '{folder.name}' (it holds {folder / LOCK}); wait until that job ends, or give "
                       "this job another name")
+
+
+def _make_private(folder: Path) -> None:
+    """A claimed state folder: ``PRIVATE_DIR`` even when it was made before (an older pflseg made it 0755)."""
+    try:
+        os.chmod(folder, PRIVATE_DIR)
+    except PermissionError:  # another user's folder: left as it is (the operator's choice)
+        log.warning("state folder %s: cannot make it private (mode %o); only its owner can", folder,
+                    folder.stat().st_mode & 0o777)
 
 
 def _holds_state(folder: Path) -> bool:

@@ -85,7 +85,12 @@ def build_optimizer(
     groups = [{"params": list(model.parameters())}] + ([{"params": extra}] if extra else [])
     optimizer = torch.optim.Adam(groups, lr=lr)
     if state:
-        optimizer.load_state_dict(state)
+        try:
+            optimizer.load_state_dict(state)
+        except (ValueError, KeyError) as exc:  # torch: "... doesn't match the size of optimizer's group"
+            raise ValueError(f"the optimizer state in the site's checkpoint does not fit the model ({exc}): the config "
+                             "no longer matches the checkpoint (net.* changed since it was written). Run with that "
+                             "config, or start afresh (resume: false; pflseg run without --resume)") from exc
     return optimizer
 
 

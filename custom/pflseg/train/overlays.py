@@ -3,7 +3,8 @@ by Dice, one PNG of image | ground truth | prediction side by side, at the train
 
 A volume shows the slice with the most ground-truth foreground. Each class has its own colour, the same in
 the ground-truth and the prediction panel (for nested labels, e.g. disc and cup, the inner class is drawn
-over the outer one). Drawn with PIL (a core dependency), so every site can make them.
+over the outer one). Drawn with PIL (a core dependency), so every site can make them. They show patients: the
+folder is ``0700``, every file ``0600`` (``pflseg.train.predictions.private_dir`` / ``private_file``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image, ImageDraw
+
+from pflseg.train.predictions import private_dir, private_file
 
 #: class colours (RGB), cycled
 COLOURS = [(255, 64, 64), (64, 160, 255), (255, 220, 0), (0, 220, 120), (220, 80, 255), (255, 140, 0)]
@@ -89,8 +92,7 @@ def write_overlays(model: torch.nn.Module, dataset, device: torch.device, out_di
     Returns:
         The paths written, worst first.
     """
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = private_dir(out_dir)
     for old in out_dir.glob("*.png"):
         old.unlink()
     chosen = pick_cases(per_case, n)
@@ -112,6 +114,6 @@ def write_overlays(model: torch.nn.Module, dataset, device: torch.device, out_di
         where = f" slice {int(item['slice'])}" if depth[case] > 1 else ""
         title = f"{site} {case}{where}: Dice {dice:.3f} ({tag})"
         path = out_dir / f"{tag}_{_safe(case)}.png"
-        render(item["image"], item["label"] > 0.5, pred, title).save(path)
+        render(item["image"], item["label"] > 0.5, pred, title).save(private_file(path), format="PNG")
         paths.append(path)
     return paths

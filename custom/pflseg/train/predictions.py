@@ -3,10 +3,14 @@ routing): slices grouped by case, Dice per case, and label maps written as NIfTI
 
 ``by_case`` maps ``(site, case)`` to its samples in slice order; a sample is ``{"has_label": bool,
 "label": (C, H, W) bool or None, "preds": {model key: (C, H, W) bool}, "choice": {route key: model key}}``.
+
+Predictions (and the overlays, ``pflseg.train.overlays``) show patients: their folder is made ``0700`` and every
+file ``0600`` (``private_dir``, ``private_file``), whatever the process's umask.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections import defaultdict
 from collections.abc import Sequence
@@ -16,6 +20,28 @@ import numpy as np
 import torch
 
 from pflseg.train.evaluate import dice_scores
+
+#: modes of what a site writes about its patients: a folder only its user enters, files only its user reads
+PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600
+
+
+def private_dir(folder: str | Path) -> Path:
+    """``folder`` (made if missing, with its parents) with mode ``PRIVATE_DIR``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    os.chmod(folder, PRIVATE_DIR)
+    return folder
+
+
+def private_file(path: str | Path) -> Path:
+    """``path`` created empty (or truncated) with mode ``PRIVATE_FILE``, for a writer that opens it by name
+    (PIL, nibabel: they truncate it and keep its mode)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE)
+    try:
+        os.fchmod(fd, PRIVATE_FILE)
+    finally:
+        os.close(fd)
+    return Path(path)
 
 
 def case_dice(by_case: dict, names: dict, pick) -> dict:
@@ -80,11 +106,11 @@ def write_predictions(by_case: dict, names: dict, route_key: str, out_dir: Path,
     import nibabel as nib
     from PIL import Image
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(out_dir)
     for case, items in by_case.items():
         preds = [s["preds"][s["choice"][route_key]] for s in items]
         if len(preds) == 1:
-            Image.fromarray(_label_map(preds[0], encoding)).save(out_dir / f"{names[case]}.png")
+            Image.fromarray(_label_map(preds[0], encoding)).save(private_file(out_dir / f"{names[case]}.png"))
         else:
             volume = _label_map(torch.stack(preds, dim=-1), encoding)  # (H, W, D)
-            nib.save(nib.Nifti1Image(volume, np.eye(4)), str(out_dir / f"{names[case]}.nii.gz"))
+            nib.save(nib.Nifti1Image(volume, np.eye(4)), str(private_file(out_dir / f"{names[case]}.nii.gz")))

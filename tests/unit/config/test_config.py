@@ -65,3 +65,33 @@ def test_fedsm_selector_options_are_checked(fedsm, match):
     with pytest.raises(ConfigError, match=match):
         check_effective(load_job_config("fedsm", overrides={"fedsm": fedsm}))
     assert check_effective(load_job_config("fedsm", overrides={"fedsm": {"selector_steps": "batch", "selector_epochs": 3}}))
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"net": {"norm": "group"}}, r"net\.norm must be one of batch, instance, got 'group'"),
+    ({"train": {"lr": -1}}, r"train\.lr must be a learning rate in \(0, 10\], got -1"),
+    ({"train": {"lr": 0}}, r"train\.lr"),
+    ({"train": {"lr": float("nan")}}, r"train\.lr"),
+    ({"net": {"dropout": 1.5}}, r"net\.dropout"),
+    ({"net": {"name": "resnet"}}, r"net\.name"),
+    ({"net": {"num_res_units": 100}}, r"net\.num_res_units=100 exceeds the cap 8"),
+])
+def test_values_that_would_fail_inside_the_federation_fail_at_loading(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_job_config("fedavg", overrides=overrides)
+
+
+def test_a_network_over_the_parameter_budget_is_refused_naming_its_keys():
+    # each value inside its own cap, 821 M parameters together (counted on the meta device, nothing allocated)
+    big = {"net": {"channels": [1024] * 8, "strides": [2] * 7, "num_res_units": 8}}
+    with pytest.raises(ConfigError, match=r"net\.channels=.*net\.num_res_units=8.*821 M parameters.*budget of 200 M"):
+        load_job_config("fedavg", overrides=big)
+    assert load_job_config("lcfed")["net"]["name"] == "lcfed"  # LC-Fed's net is counted too, and fits
+
+
+def test_size_batch_and_channels_are_bounded_jointly():
+    with pytest.raises(ConfigError, match=r"data\.size=1024 x train\.batch_size=1024 x net\.channels=.*GiB.*budget of 64"):
+        load_job_config("fedavg", overrides={"data": {"size": 1024}, "train": {"batch_size": 1024}})
+    with pytest.raises(ConfigError, match=r"train\.eval_batch_size=1024"):
+        load_job_config("fedavg", overrides={"data": {"size": 1024}, "train": {"eval_batch_size": 1024}})
+    load_job_config("fedavg", overrides={"data": {"size": 256}, "train": {"batch_size": 16}})  # a real setting fits

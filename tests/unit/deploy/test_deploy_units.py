@@ -52,7 +52,7 @@ def test_metrics_table_names_sites_left_out():
            "history": [{"val_dice": {"site-1": 0.5}}], "missing": {"site-2": "no result"},
            "test": {"site-1": {"site": {"dice": 0.61}}}}
     table = metrics_table(res)
-    assert "| site-1 | - | 0.6100 | 0.5000 |" in table and "| site-2 | - | - | - |" in table
+    assert "| site-1 | - | - | 0.6100 | 0.5000 |" in table and "| site-2 | - | - | - | - |" in table
     assert "left out: site-2: no result" in table
 
 

@@ -173,3 +173,31 @@ def test_resume_continues_only_the_same_run_and_keeps_another_aside(tmp_path, ca
     assert "resume" not in over and "is not this run (train.lr: 0.001 -> 0.01)" in out
     (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("ws.")]
     assert f"kept in {aside}" in out and RoundStore(aside / "state" / "server" / "fedavg").latest() == 0
+
+
+def test_a_workspace_that_is_a_file_is_an_error_naming_it_not_a_traceback(tmp_path, capsys):
+    afile = tmp_path / "notes.txt"
+    afile.write_text("not a workspace")
+    for ws in (afile, afile / "run"):
+        assert main(["run", "fedavg", "--workspace", str(ws), "--rounds", "1"]) == 2
+        err = capsys.readouterr().err
+        assert f"{afile} is a file, not a folder" in err and "--workspace" in err and "Traceback" not in err
+    assert afile.read_text() == "not a workspace"
+
+
+def test_the_reason_the_server_stopped_a_run_is_read_from_its_log(tmp_path):
+    from pflseg.deploy.simulator import panic_reason
+
+    log = tmp_path / "log.txt"
+    log.write_text("2026 - ServerRunner - ERROR - [identity=simulator_server, run=simulate_job]: Aborting current RUN "
+                   "due to FATAL_SYSTEM_ERROR received: resume: the config no longer matches the checkpoint x.pt\n")
+    assert panic_reason(log) == "resume: the config no longer matches the checkpoint x.pt"
+    assert panic_reason(tmp_path / "none.txt") is None
+
+
+def test_a_run_whose_best_global_model_is_the_untrained_one_says_so():
+    from pflseg.deploy.simulator import result_warnings
+
+    (line,) = result_warnings({"best_global_round": 0, "rounds": 1})
+    assert "untrained initial model" in line and "rounds=1" in line and "--rounds" in line
+    assert result_warnings({"best_global_round": 1, "rounds": 1}) == []  # the trained final model was best

@@ -424,6 +424,7 @@ def test_a_read_only_store_leaves_tmp_files(tmp_path):
 class FakeSite:
     def __init__(self, exc):
         self.exc = exc
+        self.cfg, self.sites = check_effective(load_job_config("fedavg")), ["site-1", "site-2", "site-3"]
 
     def tasks(self):
         def handler(msg):

@@ -363,3 +363,19 @@ def test_fedsm_extra_rounds_start_a_fresh_k_plus_one_class_selector_and_best(tmp
     ctrl.round(1)
     assert ctrl.selector["classifier.weight"].shape == (4, ctrl.selector_ref["stats.gram"].shape[0])  # global + 3 sites
     assert ctrl.best_selector["round"] == 1 and ctrl.best_selector["score"] == 0.5
+
+
+def test_resume_with_another_network_says_the_config_no_longer_matches_the_checkpoint(tmp_path, monkeypatch):
+    first = make("fedavg", tmp_path, monkeypatch)
+    first.store.save(0, first.checkpoint(0))
+    assert make("fedavg", tmp_path, monkeypatch, resume=True).restore() == 1  # the same network resumes
+    with pytest.raises(ValueError, match=r"config no longer matches the checkpoint .*(in the checkpoint|now)"):
+        make("fedavg", tmp_path, monkeypatch, resume=True, net={"channels": [4, 8, 16], "strides": [2, 2]})
+
+
+def test_an_optimizer_state_of_another_network_is_named_not_torchs_error():
+    from pflseg.train.loop import build_optimizer
+
+    state = build_optimizer(build_net({"channels": [4, 8], "strides": [2]}), torch.device("cpu"), 1e-3).state_dict()
+    with pytest.raises(ValueError, match="config no longer matches the checkpoint"):
+        build_optimizer(build_net({"channels": [4, 8, 16], "strides": [2, 2]}), torch.device("cpu"), 1e-3, state)

@@ -236,7 +236,8 @@ def test_a_site_refuses_a_non_finite_received_model_naming_the_key(tmp_path):
 
     trained = []
     site = SimpleNamespace(tasks=lambda: {"train": lambda msg: trained.append(msg) or FLModel(params={}, metrics={})},
-                           store=SimpleNamespace(root=tmp_path / "state" / "job"))
+                           store=SimpleNamespace(root=tmp_path / "state" / "job"), cfg=load_job_config("fedavg"),
+                           sites=["site-1", "site-2", "site-3"])
     msg = FLModel(params={"global.conv.weight": torch.tensor([1.0, math.nan])}, meta={})
     out, kept = answer("site-1", "train", msg, site)
     assert not trained and kept is site

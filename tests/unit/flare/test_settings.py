@@ -1,4 +1,6 @@
 import json
+import re
+import stat
 
 import pytest
 
@@ -37,3 +39,42 @@ def test_no_data_configured_makes_synthetic_data_in_the_workspace(tmp_path, monk
     monkeypatch.chdir(tmp_path)
     root, data_site = resolve_data("site-1", site_settings("site-1"), DATA_CFG)
     assert data_site == "site-1" and root.is_relative_to(tmp_path) and (root / "site-1" / "datalist.json").is_file()
+
+
+# ---- pflseg site init / site check -----------------------------------------------------------------------
+@pytest.mark.parametrize("args, problem", [
+    (["--data", "{tmp}/nowhere"], r"data location .*nowhere does not exist"),
+    (["--data", "{tmp}/root", "--data-site", "site-9"], r"has no site folder 'site-9' \(it holds \['site-1', 'site-2'\]\)"),
+    (["--data", "{tmp}/root", "--device", "gpu0"], r"device 'gpu0' is not auto, cpu, cuda or cuda:N"),
+    (["--data", "{tmp}/root", "--device", "cuda:7"], r"device 'cuda:7': this machine has \d+ CUDA device"),
+])
+def test_site_init_refuses_what_would_fail_and_writes_nothing(args, problem, tmp_path, capsys):
+    """Before: `pflseg site init` wrote any path, data site and device, exit 0."""
+    from pflseg.cli import main
+
+    make_synthetic(tmp_path / "root", n_sites=2, cases=3, size=16, depth=2)
+    kit = tmp_path / "site-1"
+    assert main(["site", "init", "--site-dir", str(kit), *[a.format(tmp=tmp_path) for a in args]]) == 2
+    assert re.search(problem, capsys.readouterr().err) and not (kit / "local" / "pflseg_site.json").exists()
+
+
+def test_site_init_writes_private_settings_and_site_check_reports_them(tmp_path, monkeypatch, capsys):
+    from pflseg.cli import main
+
+    for var in ("PFLSEG_DATA", "PFLSEG_DEVICE", "PFLSEG_SITE_CONFIG", "PFLSEG_STATE_DIR", "PFLSEG_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    root = make_synthetic(tmp_path / "root", n_sites=2, cases=3, size=16, depth=2)
+    kit, state = tmp_path / "site-2", tmp_path / "outside" / "state"
+    assert main(["site", "init", "--site-dir", str(kit), "--data", str(root), "--device", "cpu", "--state-dir",
+                 str(state), "--no-publish", "--methods", "fedavg,fedbn"]) == 0
+    written = kit / "local" / "pflseg_site.json"
+    assert stat.S_IMODE(written.stat().st_mode) == 0o600 and stat.S_IMODE(state.stat().st_mode) == 0o700
+    assert json.loads(written.read_text())["policy"] == {"methods": ["fedavg", "fedbn"], "publish": False}
+    capsys.readouterr()
+    assert main(["site", "check", "--site-dir", str(kit)]) == 0
+    out = capsys.readouterr().out
+    assert f"site site-2: settings from {written}" in out and f"state: {state}" in out and "data: valid" in out
+    assert "publish: false (default: true)" in out and "methods: fedavg, fedbn" in out
+    (root / "site-2" / "datalist.json").unlink()  # the site's data breaks after init: check says so
+    assert main(["site", "check", "--site-dir", str(kit)]) == 1
+    assert "problem(s):" in capsys.readouterr().out

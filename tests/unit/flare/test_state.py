@@ -132,3 +132,21 @@ def test_a_full_disk_is_a_state_error_naming_the_folder_and_leaves_the_old_file(
     monkeypatch.undo()
     assert sorted(p.name for p in path.parent.iterdir()) == ["round_0001.pt"]  # no temporary left
     assert torch.equal(load_file(path)["w"], torch.ones(2))
+
+
+def test_state_is_private_whatever_the_umask(tmp_path):
+    """Before: state folders 0755 and files 0644 inside the FLARE workspace (a site's models, its lock, results)."""
+    previous = os.umask(0o022)
+    try:
+        folder = tmp_path / "pflseg_state" / "fedavg"
+        claim(folder, "job-1", resume=False)
+        RoundStore(folder).save(0, {"w": torch.ones(2)})
+        (tmp_path / "old").mkdir(mode=0o755)  # a folder an older pflseg made: private once a job claims it
+        claim(tmp_path / "old", "job-1", resume=False)
+    finally:
+        os.umask(previous)
+        release(folder)
+        release(tmp_path / "old")
+    mode = lambda p: os.stat(p).st_mode & 0o777  # noqa: E731
+    assert mode(tmp_path / "pflseg_state") == mode(folder) == mode(tmp_path / "old") == 0o700
+    assert {p.name: mode(p) for p in folder.iterdir()} == {"owner.json": 0o600, ".lock": 0o600, "round_0000.pt": 0o600}

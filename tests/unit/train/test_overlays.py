@@ -1,5 +1,7 @@
 """Overlays drawn at the site: which cases, which slice, what the picture holds."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -43,3 +45,24 @@ def test_write_overlays_for_the_worst_and_best_case(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["best-1_case1.png", "worst-1_case0.png"]
     with Image.open(paths[0]) as im:
         assert im.mode == "RGB" and im.size == (3 * 160 + 8, 160 + 32)
+
+
+def test_overlays_and_predictions_are_private_whatever_the_umask(tmp_path):
+    """Before: patient image panels and predicted masks were written 0644 in 0755 folders."""
+    from pflseg.train.predictions import write_predictions
+
+    previous = os.umask(0o022)
+    try:
+        paths = write_overlays(Scale(10.0), Squares(), torch.device("cpu"), tmp_path / "overlays",
+                               {"case0": [0.25], "case1": [0.75]}, site="site-1")
+        pred = torch.zeros(1, 4, 4, dtype=torch.bool)
+        by_case = {("s", "a"): [{"preds": {"m": pred}, "choice": {"r": "m"}}],
+                   ("s", "b"): [{"preds": {"m": pred}, "choice": {"r": "m"}}] * 2}
+        write_predictions(by_case, {("s", "a"): "a", ("s", "b"): "b"}, "r", tmp_path / "predictions", "exclusive")
+    finally:
+        os.umask(previous)
+    mode = lambda p: os.stat(p).st_mode & 0o777  # noqa: E731
+    assert mode(tmp_path / "overlays") == mode(tmp_path / "predictions") == 0o700
+    written = [*paths, *(tmp_path / "predictions").iterdir()]
+    assert sorted(p.name for p in written) == ["a.png", "b.nii.gz", "best-1_case1.png", "worst-1_case0.png"]
+    assert {mode(p) for p in written} == {0o600}

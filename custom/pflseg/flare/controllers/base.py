@@ -7,7 +7,8 @@ checkpoints with resume, best-global tracking on validation Dice, the final vali
 resumes from its last completed round.
 
 Trust at the boundary: a site's answer is data from another party. ``send_each`` checks each answer in
-isolation before anything uses it (``check_result``): the update against the reference the task sent (exact
+isolation before anything uses it (``check_result``; an answer of FLARE's kind DIFF, ``privacy.update.send: diff``,
+is first added back to what the task sent, ``add_diff``, so every method gets full values either way): the update against the reference the task sent (exact
 keys, shapes, dtypes, storage size, NaN/Inf), n_k (a positive integer, at most ``max_n_samples`` and at
 most the site's first accepted n_k), the metrics the task needs (Dice-like values in [0, 1], every number
 finite). A failing answer leaves that site out of that round with the reason in ``missing``; the others
@@ -82,6 +83,49 @@ def check_update(params: dict, reference: dict) -> str | None:
         if value.is_floating_point() and not torch.isfinite(value).all():
             return f"'{key}' contains NaN or Inf"
     return None
+
+
+def add_diff(res: FLModel, sent: dict, reference: dict | None) -> str | None:
+    """Turn a site's answer of kind ``ParamsType.DIFF`` (FLARE's WEIGHT_DIFF: ``privacy.update.send: diff``, or
+    what a FLARE filter made of it) into full values, in place: ``sent[k] + diff[k]`` for every key the task sent
+    (cast to the sent tensor's dtype, integers rounded: a filter may have made them float), the value itself for a
+    key not sent (an update against zero). A key the task expects back (``reference``) and sent but missing from
+    the answer (dropped by a filter such as FLARE's ExcludeVars) counts as unchanged: the value sent, a zero
+    update. Returns why the answer cannot be used (a non-finite or wrongly shaped difference), or None; an answer
+    of another kind is left as it is. ``check_update`` then judges the full values like any other answer."""
+    if res.params_type != ParamsType.DIFF:
+        return None
+    diff = res.params or {}
+    full = {}
+    for key, value in diff.items():
+        base = sent.get(key)
+        if not (torch.is_tensor(value) and torch.is_tensor(base)):
+            full[key] = value
+            continue
+        if tuple(value.shape) != tuple(base.shape):
+            return f"difference '{key}' has shape {tuple(value.shape)}, expected {tuple(base.shape)}"
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            return f"difference '{key}' contains NaN or Inf"
+        if base.is_floating_point():
+            full[key] = base + value.to(device=base.device, dtype=base.dtype)
+        else:
+            step = value.round() if value.is_floating_point() else value
+            full[key] = base + step.to(device=base.device, dtype=base.dtype)
+    for key in reference or {}:
+        if key not in full and torch.is_tensor(sent.get(key)):
+            full[key] = sent[key].clone()
+    res.params, res.params_type = full, ParamsType.FULL
+    return None
+
+
+def state_mismatch(saved: dict, fresh: dict) -> str:
+    """How a checkpoint's model ``saved`` differs from the model the config builds (``fresh``): keys missing or
+    extra and shapes that differ (a few named), or "" when they fit."""
+    lines = [f"{k}: {tuple(saved[k].shape)} in the checkpoint, {tuple(fresh[k].shape)} now"
+             for k in fresh if k in saved and tuple(saved[k].shape) != tuple(fresh[k].shape)]
+    lines += [f"{k}: not in the checkpoint" for k in fresh if k not in saved]
+    lines += [f"{k}: in the checkpoint only" for k in saved if k not in fresh]
+    return "; ".join(lines[:3]) + (f"; and {len(lines) - 3} more" if len(lines) > 3 else "")
 
 
 def is_number(value) -> bool:
@@ -251,6 +295,11 @@ class RoundController(ModelController):
             self.store.clear()
             return 0
         ckpt = self.store.load(latest)
+        mismatch = state_mismatch(unprefixed("global", ckpt), self.global_state)
+        if mismatch:
+            raise ValueError(f"resume: the config no longer matches the checkpoint {self.store.path(latest)} ("
+                             f"{mismatch}): the network (net.*) differs from the run that wrote it. Run with that "
+                             "run's config, or start afresh (resume: false; pflseg run without --resume)")
         self.global_state.update(unprefixed("global", ckpt))
         self.best_state = unprefixed("best", ckpt)
         self.history, self.best = list(ckpt["history"]), dict(ckpt["best"])
@@ -310,8 +359,8 @@ class RoundController(ModelController):
             reason = None
             if res is None:
                 reason = "no result (site failed, disconnected or timed out)"
-            else:
-                reason = self.checked(task, site, res, reference)
+            else:  # differences (privacy.update.send: diff, FLARE filters) become full values first
+                reason = self.restored(res, payloads[site].params or {}, reference) or self.checked(task, site, res, reference)
             if reason:
                 self.error(f"{task}: site {site} left out of this round: {reason}")
                 self.missing[site] = reason
@@ -330,6 +379,13 @@ class RoundController(ModelController):
                 f"Problems: " + "; ".join(f"{s}: {m}" for s, m in self.missing.items())
             )
         return usable
+
+    def restored(self, res: FLModel, sent: dict, reference: dict | None) -> str | None:
+        """``add_diff``, with any exception in it made that answer's reason."""
+        try:
+            return add_diff(res, sent, reference)
+        except Exception as exc:  # a malformed answer must not end the job, whatever it holds
+            return f"malformed difference ({type(exc).__name__}: {exc})"
 
     def checked(self, task: str, site: str, res: FLModel, reference: dict | None) -> str | None:
         """``check_result``, with any exception in checking one answer made that answer's reason."""

@@ -23,6 +23,8 @@ may carry besides the method's models is in ``pflseg.flare.privacy``.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import time
 
@@ -30,6 +32,7 @@ import torch
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
 from torch.utils.data import ConcatDataset
 
+from pflseg.algorithms.dp import floor_at, privatize
 from pflseg.data import DataError, load_dataset_info, pooled_dataset, site_dataset
 from pflseg.flare.privacy import Pseudonyms, public_error, public_metrics, write_local_log
 from pflseg.flare.settings import resolve_data, site_settings
@@ -58,9 +61,19 @@ class Site:
     Attributes:
         personalized: True when the site's model is its own (tables report the site's best model);
             False when it is the server's global model.
+        exchanges_models: whether what the site receives while training is made from the other sites' models (a
+            deployed site refuses such a job of exactly two sites unless its policy allows it:
+            ``pflseg.flare.policy``).
     """
 
     personalized = True
+    exchanges_models = True
+
+    @classmethod
+    def personal_models_sent(cls, cfg: dict) -> str | None:
+        """What of the site's personalized model a job of config ``cfg`` sends, in words (the site's policy may
+        refuse it: ``publish``); None: nothing."""
+        return None
 
     def __init__(self, name: str, cfg: dict, sites: list[str], job_id: str | None = None):
         self.name, self.cfg, self.sites = name, cfg, sites
@@ -240,15 +253,79 @@ class Site:
         stats = train_epochs(model, loader, optimizer, loss or build_loss(cfg["loss"]), epochs or cfg["epochs"], self.device, hooks)
         return stats, optimizer.state_dict()
 
-    def reply(self, params: dict, metrics: dict, n_samples: int | None = None, **meta) -> FLModel:
+    def reply(self, params: dict, metrics: dict, n_samples: int | None = None, received: FLModel | None = None,
+              **meta) -> FLModel:
         """The site's answer: ``params`` (what the method sends), ``metrics`` made fit to leave the site
-        (``pflseg.flare.privacy.public_metrics``: no per-case entries unless ``privacy.per_case``, no paths)."""
+        (``pflseg.flare.privacy.public_metrics``: no per-case entries unless ``privacy.per_case``, no paths).
+
+        A model update (``n_samples`` given) passes ``received``, the task message it answers: with
+        ``privacy.update`` set (``send: diff``, ``dp.clip``) the update is taken against it (``private_update``).
+        """
         metrics = public_metrics(metrics, self.cfg["privacy"]["per_case"], self.pseudonyms, self.store.root.parent)
         meta = {**meta, "site": self.name}
         if n_samples is not None:
             meta["NUM_STEPS_CURRENT_ROUND"] = n_samples
-            return FLModel(params=params, params_type=ParamsType.FULL, metrics=metrics, meta=meta)
+            params, kind = self.private_update(params, received)
+            return FLModel(params=params, params_type=kind, metrics=metrics, meta=meta)
         return FLModel(params=params, metrics=metrics, meta=meta)
+
+    #: Prefixes of the model weights the server aggregates (the global model; FedSM's personalized models, mixed by
+    #: SoftPull): the keys ``privacy.update.dp`` clips and noises. Anything else a method sends (FedSM's selector,
+    #: its Adam moments, gradients or LDA statistics; LC-Fed's coarse head) goes as it is.
+    dp_prefixes: tuple[str, ...] = ("global.", "person.")
+
+    def private_update(self, params: dict, received: FLModel | None) -> tuple[dict, ParamsType]:
+        """``params`` as ``privacy.update`` says they leave the site, and their FLARE kind.
+
+        Defaults (``send: weights``, ``dp.clip: null``): ``params`` unchanged, ``ParamsType.FULL``. Otherwise every
+        key the site also received (same shape) becomes an update u = sent - received; with ``dp.clip`` C the update
+        of the ``dp_prefixes`` keys is clipped to L2 norm C and, with ``dp.noise_multiplier`` sigma, N(0, (sigma C)^2)
+        is added per float coordinate (``pflseg.algorithms.dp.privatize``; integer buffers untouched; batch norm's
+        running variances then floored so that received + u >= 0). The noise is seeded per round from the site's
+        secret salt (``dp_generator``): reproducible at the site, unknown to the server. ``send: diff`` sends the
+        updates (keys not received as they are: an update against zero) with ``ParamsType.DIFF``, FLARE's
+        WEIGHT_DIFF, which the server adds back to what it sent (``pflseg.flare.controllers.base.add_diff``) and
+        FLARE's filters expect; ``send: weights`` sends received + u for the clipped keys, the rest as trained.
+        """
+        upd = self.cfg["privacy"]["update"]
+        dp = upd["dp"]
+        if upd["send"] == "weights" and dp["clip"] is None:
+            return params, ParamsType.FULL
+        if received is None:
+            raise RuntimeError(f"site {self.name}: this method's reply does not pass the model it received, so "
+                               "privacy.update (send: diff, dp) cannot apply; set privacy.update to its defaults")
+        sent = received.params or {}
+        common = {k for k, v in params.items() if torch.is_tensor(v) and torch.is_tensor(sent.get(k))
+                  and sent[k].shape == v.shape}
+        update = {k: (params[k] - sent[k].to(params[k].device)) if k in common else params[k] for k in params}
+        if dp["clip"] is not None:
+            covered = sorted(k for k in params if k.startswith(self.dp_prefixes))
+            unsent = [k for k in covered if k not in common]
+            if unsent:
+                raise RuntimeError(f"site {self.name}: '{unsent[0]}' was not received in this task, so its update "
+                                   "cannot be clipped and noised (privacy.update.dp)")
+            private, norm = privatize({k: update[k] for k in covered}, dp["clip"], dp["noise_multiplier"],
+                                      self.dp_generator(received.current_round))
+            private = floor_at(private, sent, self.running_variances())
+            log.debug("site %s: update norm %.4g clipped to %g", self.name, norm, dp["clip"])
+            update.update(private)
+            if upd["send"] == "weights":
+                params = {**params, **{k: (sent[k] + private[k]).to(params[k].dtype) for k in covered}}
+        if upd["send"] == "diff":
+            return update, ParamsType.DIFF
+        return params, ParamsType.FULL
+
+    def dp_generator(self, round_num: int | None) -> torch.Generator:
+        """The noise source of round ``round_num``: seeded by an HMAC of (job, seed, round) under the site's
+        pseudonym salt (``<state root>/privacy_salt``), which never leaves the site."""
+        text = f"dp-noise/{self.cfg['name']}/{self.cfg['seed']}/{round_num}".encode()
+        seed = int.from_bytes(hmac.new(self.pseudonyms.salt(), text, hashlib.sha256).digest()[:8], "big")
+        return torch.Generator().manual_seed(seed)
+
+    def running_variances(self) -> list[str]:
+        """Keys of batch norm's running variances under every ``dp_prefixes`` prefix (found by module type)."""
+        names = [n for n, m in self.net.named_modules() if m in batch_norms(self.net)]
+        return [f"{p}{n}.running_var" for p in self.dp_prefixes for n in names]
 
     def train(self, msg: FLModel) -> FLModel:
         r = msg.current_round
@@ -267,7 +344,7 @@ class Site:
         metrics = {"val_dice": before["dice"], "val_dice_local": after["dice"], "train_loss": stats["loss"],
                    "train_seconds": train_s, "n_samples": stats["samples"], "steps": stats["steps"],
                    **self.round_metrics()}
-        return self.reply(params, metrics, stats["samples"])
+        return self.reply(params, metrics, stats["samples"], received=msg)
 
     def round_metrics(self) -> dict:
         """Method-specific numbers of the round, added to the reply's metrics."""

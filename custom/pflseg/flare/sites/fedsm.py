@@ -53,6 +53,10 @@ from pflseg.train import Hooks, build_loss, build_optimizer, derive_seed, make_l
 
 
 class FedSMSite(Site):
+    @classmethod
+    def personal_models_sent(cls, cfg: dict) -> str | None:
+        return "FedSM's personalized model every round (SoftPull mixes it into every other site's)"
+
     def tasks(self) -> dict:
         return {**super().tasks(), "train_selector": self.train_selector}
 
@@ -82,7 +86,7 @@ class FedSMSite(Site):
         params = {**prefixed("global", cpu_state(glob)), **prefixed("person", cpu_state(person)), **sel_params}
         metrics = {"val_dice": val_g["dice"], "val_dice_person": val_p["dice"], "train_loss": stats["loss"],
                    **scored, **sel_metrics, "train_seconds": train_s, "n_samples": stats["samples"], "steps": stats["steps"]}
-        return self.reply(params, metrics, stats["samples"])
+        return self.reply(params, metrics, stats["samples"], received=msg)
 
     def site_labels(self, label: int):
         """FedSM's selector labels of a batch of this site: ``label`` (its index k) for every sample."""
@@ -196,7 +200,7 @@ class FedSMSite(Site):
         scored = self.score_selector(selector, labels_of)
         params, sel_metrics = self.fit_selector(selector, labels_of, msg, seed)
         metrics = {**scored, **sel_metrics, "train_seconds": time.time() - t0}
-        return self.reply(params, metrics, len(self.data("training")))
+        return self.reply(params, metrics, len(self.data("training")), received=msg)
 
     def validate(self, msg: FLModel) -> FLModel:
         """The global model scored for the server's choice; the personalized model tracked as the site's own; the

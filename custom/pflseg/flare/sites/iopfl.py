@@ -25,6 +25,8 @@ from nvflare.app_common.abstract.fl_model import FLModel
 from pflseg.algorithms.iopfl import update_person
 from pflseg.data import load_dataset_info
 from pflseg.infer.routing import route_site
+from pflseg.flare.policy import check_publish
+from pflseg.flare.settings import site_settings
 from pflseg.flare.sites.base import Site, cpu_state
 from pflseg.flare.state import load_file, prefixed, unprefixed
 from pflseg.nets import build_net
@@ -33,6 +35,12 @@ from pflseg.train import derive_seed
 
 
 class IOPFLSite(Site):
+    @classmethod
+    def personal_models_sent(cls, cfg: dict) -> str | None:
+        if cfg["iopfl"]["publish"]:
+            return "IOP-FL's best P_k at the end (iopfl.publish: true, for the routing bundle)"
+        return None
+
     def tasks(self) -> dict:
         return {**super().tasks(), "submit_model": self.submit_model}
 
@@ -62,14 +70,16 @@ class IOPFLSite(Site):
                    "train_seconds": train_s, "n_samples": stats["samples"], "steps": stats["steps"]}
         if round_test:
             metrics.update(test_dice_global=test_g["dice"], test_dice_person=self.evaluate(net, "testing")["dice"])
-        return self.reply(prefixed("global", local), metrics, stats["samples"])
+        return self.reply(prefixed("global", local), metrics, stats["samples"], received=msg)
 
     def validate(self, msg: FLModel) -> FLModel:
         """Score the global model only (the best P_k is tracked during training, by validation Dice)."""
         return self.reply({}, {"val_dice": self.evaluate(self.model_for_round(msg.params, msg.current_round))["dice"]})
 
     def submit_model(self, msg: FLModel) -> FLModel:
-        """The site's best P_k (by validation Dice), for the routing bundle (``iopfl.publish``)."""
+        """The site's best P_k (by validation Dice), for the routing bundle: only when the job publishes it
+        (``iopfl.publish``) and the site's policy lets it leave (``pflseg.flare.policy.check_publish``)."""
+        check_publish(self.name, self.cfg, site_settings(self.name))
         best = load_file(self.best_path)
         return FLModel(params=prefixed("site", unprefixed("model", best)), meta={"site": self.name, "round": best["round"]})
 

@@ -44,6 +44,12 @@ class LCFedSite(Site):
     #: PCS site contrast and head calibration (FedRep: neither)
     calibrated = True
 
+    @classmethod
+    def personal_models_sent(cls, cfg: dict) -> str | None:
+        if cls.calibrated and exchanges_heads(cfg["lcfed"]):
+            return "LC-Fed's coarse head every round (HC's disagreement map sends it to every other site)"
+        return None
+
     def __init__(self, name: str, cfg: dict, sites: list[str], job_id: str | None = None):
         super().__init__(name, cfg, sites, job_id)
         self.k = sorted(sites).index(name)
@@ -125,7 +131,7 @@ class LCFedSite(Site):
         after = self.track(heads, r)  # the personalized model: after local training
         metrics = {"val_dice": val["dice"], "val_dice_local": after["dice"], "train_loss": stats["loss"],
                    "train_seconds": train_s, "n_samples": stats["samples"], "steps": stats["steps"]}
-        return self.reply(params, metrics, stats["samples"])
+        return self.reply(params, metrics, stats["samples"], received=msg)
 
     def validate(self, msg: FLModel) -> FLModel:
         _, heads = self.model_now(msg, self.previous(msg.current_round))

@@ -8,6 +8,8 @@ from pflseg.flare.state import unprefixed
 
 
 class LocalSite(Site):
+    exchanges_models = False
+
     def model_for_round(self, received: dict, round_num: int):
         own = self.require_own(round_num)
         self.net.load_state_dict({**self.net.state_dict(), **(own if own is not None else unprefixed("global", received))})

@@ -116,14 +116,15 @@ def test_a_full_disk_is_an_error_reply_naming_the_folder_and_the_site_goes_on(br
 def test_a_site_claims_its_state_folder_for_the_job_id(federation):
     fed = federation("fedavg")
     folder = fed.store().root
+    three = {"sites": ["site-1", "site-2", "site-3"]}  # a deployed job (a real job id): a site refuses K = 2
     try:
-        out, site = answer("site-1", "train", fed.message(0), None, job_id="job-a")
+        out, site = answer("site-1", "train", fed.message(0, **three), None, job_id="job-a")
         assert "pflseg_error" not in out.meta and owner(folder) == "job-a"
-        out, _ = answer("site-1", "train", fed.message(0), None, job_id="job-b")  # the same name, at once
+        out, _ = answer("site-1", "train", fed.message(0, **three), None, job_id="job-b")  # the same name, at once
         error = out.meta["pflseg_error"]
         assert "state folder <state>/fedavg is in use by job job-a" in error and "another name" in error
         release(folder)  # job-a ends
-        out, site = answer("site-1", "train", fed.message(0), None, job_id="job-b")
+        out, site = answer("site-1", "train", fed.message(0, **three), None, job_id="job-b")
         assert "pflseg_error" not in out.meta and owner(folder) == "job-b"
         moved = folder.with_name("fedavg.job-a")
         assert (moved / "round_0000.pt").is_file() and (moved / "best.pt").is_file()  # job-a's state, kept

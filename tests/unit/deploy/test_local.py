@@ -1,0 +1,48 @@
+"""`pflseg deploy stop` signals only the processes the federation started (pflseg.deploy.local)."""
+
+import json
+import subprocess
+import sys
+
+from pflseg.deploy.local import LocalFederation
+
+
+def test_a_recorded_pid_now_used_by_another_process_is_left_alone(tmp_path):
+    """Before: `pflseg deploy stop` SIGKILLed whatever process had a pid federation.json recorded (after a reboot or
+    a crash the pid may belong to anything)."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    said = []
+    try:
+        ws = tmp_path / "federation"
+        ws.mkdir()
+        participant = {"pid": other.pid, "create_time": 1.0, "cmdline": ["bash", "startup/sub_start.sh", "--once"]}
+        for record in ({"pids": {"site-1": other.pid}},  # an older pflseg's record: pids only
+                       {"pids": {"site-1": other.pid}, "started": {"site-1": participant}}):
+            (ws / "federation.json").write_text(json.dumps(record))
+            fed = LocalFederation(ws, progress=said.append)
+            assert fed.processes() == [] and fed.stop(timeout=1) == []
+            fed.pids = record["pids"]
+            fed.kill("site-1")
+            assert other.poll() is None  # still running
+        assert any(f"pid {other.pid} of site-1 (federation.json) now belongs to another process" in m for m in said)
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_what_the_federation_started_is_recognised_from_its_record(tmp_path):
+    ws = tmp_path / "federation"
+    fed = LocalFederation(ws, progress=lambda m: None)
+    startup = fed.kit("site-1") / "startup"
+    startup.mkdir(parents=True)
+    (startup / "sub_start.sh").write_text("exec sleep 60\n")
+    pid = fed.start_participant("site-1")
+    try:
+        again = LocalFederation(ws, progress=lambda m: None)  # `pflseg deploy stop` in another process
+        assert [p.pid for p in again.processes()] == [pid]
+        again.kill("site-1")
+        fed._popen[0].wait(timeout=10)
+        assert fed._popen[0].returncode == -9
+    finally:
+        if fed._popen[0].poll() is None:
+            fed._popen[0].kill()

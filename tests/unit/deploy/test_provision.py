@@ -1,0 +1,31 @@
+"""What provisioning writes stays private: FLARE's cert.json holds the root CA's and every participant's key."""
+
+import json
+import os
+import subprocess
+
+import yaml
+
+from pflseg.deploy.provision import REPO_PROJECT, loopback_env, loopback_project
+
+
+def test_provisioning_keeps_every_private_key_private(tmp_path):
+    """Before: `nvflare provision -p provisioning/project.yml` left state/cert.json, which holds every private key,
+    at 0644 in a 0755 folder. PflsegBuilder (in project.yml) makes them 0600 / 0700, whatever the umask."""
+    project = loopback_project(yaml.safe_load(REPO_PROJECT.read_text()), tmp_path, 8002)
+    yml = tmp_path / "project.yml"
+    yml.write_text(yaml.safe_dump(project, sort_keys=False))
+    (tmp_path / "home").mkdir()
+    previous = os.umask(0o022)
+    try:
+        proc = subprocess.run(["nvflare", "provision", "-p", str(yml), "-w", str(tmp_path / "prov")],
+                              env=loopback_env(tmp_path), capture_output=True, text=True)
+    finally:
+        os.umask(previous)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    state = tmp_path / "prov" / project["name"] / "state"
+    mode = lambda p: os.stat(p).st_mode & 0o777  # noqa: E731
+    assert "root_pri_key" in json.loads((state / "cert.json").read_text())  # FLARE filled the file pflseg made
+    assert mode(state) == 0o700 and mode(state / "cert.json") == 0o600
+    keys = sorted((tmp_path / "prov").rglob("*.key"))
+    assert keys and {mode(k) for k in keys} == {0o600}
