@@ -43,12 +43,10 @@ def _data(args) -> int:
 
 
 def _jobs(args) -> int:
-    from pflseg.config import job_names
+    from pflseg.config import job_names, parse_set
     from pflseg.flare.jobs import export_job
 
-    from pflseg.config import parse_set
-
-    sites = args.sites.split(",") if args.sites else None
+    sites = _names(args.site_names)
     overrides = parse_set(args.set)
     if args.data:  # channels, classes and training size of this data root unless --set says otherwise
         from pflseg.deploy.data_sites import data_overrides
@@ -321,8 +319,15 @@ def _bench(args) -> int:
                       threads=args.threads, sites=sites, preset=None if args.preset == "none" else args.preset)
         report = bench.execute()
     print(to_markdown(report))
-    print(f"written: {bench.ws}/bench.json, bench_inside.csv, bench_outside.csv, bench.md (+ PNG plots with matplotlib)")
+    print(f"written: {bench.ws}/bench.json, bench_inside.csv, bench_outside.csv, bench.md "
+          "(+ PNG plots with matplotlib)")
     return 0
+
+
+def _sites_renamed(text: str) -> str:
+    """argparse type of ``jobs export --sites``: refused; ``--sites`` is a number of sites in every other command."""
+    raise argparse.ArgumentTypeError(f"{text!r}: jobs export names its sites with --site-names A,B,... "
+                                     "(--sites is a number of sites in pflseg's other commands)")
 
 
 def _positive(text: str) -> int:
@@ -372,7 +377,8 @@ def _registry_methods(parser: argparse.ArgumentParser) -> None:
 
 def _site_args(parser, default: str) -> None:
     """--sites, --site-names and --size of the commands that run jobs on a data root."""
-    parser.add_argument("--sites", type=_positive, help=f"number of sites: the first N of --data's sites (default: {default})")
+    parser.add_argument("--sites", type=_positive,
+                        help=f"number of sites: the first N of --data's sites (default: {default})")
     parser.add_argument("--site-names", metavar="A,B,...", help="these sites of --data (dataset.json names)")
     parser.add_argument("--size", type=_positive, help="training image size data.size (default: --data's train_size "
                                                        "when recorded, else the job's)")
@@ -425,8 +431,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default="jobs", help="folder to write the job folders into (default: jobs)")
     e.add_argument("--mode", choices=["package", "byoc"], default="package",
                    help="package: no code in the job, sites pip-install pflseg (default); byoc: pflseg in app/custom")
-    e.add_argument("--gpu-mem", type=float, metavar="GIB", help="require one GPU per site with this many GiB (meta.json resource_spec)")
-    e.add_argument("--sites", help="comma-separated site names for a per-site resource_spec (with --gpu-mem)")
+    e.add_argument("--gpu-mem", type=float, metavar="GIB",
+                   help="require one GPU per site with this many GiB (meta.json resource_spec)")
+    e.add_argument("--site-names", metavar="A,B,...",
+                   help="comma-separated site names for a per-site resource_spec (with --gpu-mem)")
+    e.add_argument("--sites", type=_sites_renamed, help=argparse.SUPPRESS)  # a count everywhere else
     e.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. rounds=3")
     e.add_argument("--data", help="data root whose dataset.json sets net.in_channels, net.out_channels and "
                                   "data.size (train_size) unless --set says otherwise")
@@ -442,32 +451,39 @@ def build_parser() -> argparse.ArgumentParser:
                                   "their own names, its channels, classes and train_size set the network and data.size "
                                   "unless --set says otherwise")
     r.add_argument("--resume", action="store_true", help="continue from the last completed round")
-    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. train.lr=0.0005")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override, e.g. train.lr=0.0005")
     r.set_defaults(func=_run)
 
-    m = sub.add_parser("demo", help="the bench's synthetic sites scaled down (preset demo): FedAvg and the personalized "
+    m = sub.add_parser("demo",
+                       help="the bench's synthetic sites scaled down (preset demo): FedAvg and the personalized "
                                     "methods on 3 inside sites, IOP-FL routing and FedSM at an outside site; tables "
                                     "with paired differences, sentences, pictures")
     m.add_argument("--workspace", default="demo", help="folder of the demo's data, runs and report (default: demo)")
-    m.add_argument("--rounds", type=_positive, default=None, help="rounds of every job (default: pflseg.eval.demo.ROUNDS)")
+    m.add_argument("--rounds", type=_positive, default=None,
+                   help="rounds of every job (default: pflseg.eval.demo.ROUNDS)")
     m.add_argument("--threads", type=_positive, help="simulator threads per run (default: one per site)")
     m.set_defaults(func=_demo)
 
     def bench_args(parser, workspace: str, seeds: list[int], rounds: int, sites: int) -> None:
-        parser.add_argument("--workspace", default=workspace, help=f"folder of the data, runs and tables (default: {workspace})")
+        parser.add_argument("--workspace", default=workspace,
+                            help=f"folder of the data, runs and tables (default: {workspace})")
         parser.add_argument("--data", help="data root (default: synthetic data of --preset, made per seed in the "
                                            "workspace: its inside sites train, its outside sites are held out)")
         parser.add_argument("--preset", default="bench", help="synthetic data preset (pflseg.data.synth.PRESETS; "
                                                               "'none': the plain generator with --synth-sites sites)")
-        parser.add_argument("--synth-sites", type=_positive, default=sites, help="sites of --preset none (the last: outside)")
+        parser.add_argument("--synth-sites", type=_positive, default=sites,
+                            help="sites of --preset none (the last: outside)")
         parser.add_argument("--holdout", nargs="+",
-                            help="held-out sites (default: synthetic: its outside sites; --data: every site; 'all': each once)")
+                            help="held-out sites (default: synthetic: its outside sites; --data: every site; 'all': "
+                            "each once)")
         parser.add_argument("--seeds", type=int, nargs="+", default=seeds,
                             help=f"seeds: one run of every method per seed (default: {' '.join(map(str, seeds))})")
         parser.add_argument("--rounds", type=_positive, default=rounds, help=f"rounds of every job (default: {rounds})")
         parser.add_argument("--threads", type=_positive, help="simulator threads per run (default: one per site)")
         _site_args(parser, "all sites of --data")
-        parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every job")
+        parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                            help="config override for every job")
 
     bp = sub.add_parser("bench", help="every method on the same data and budget: inside and leave-one-site-out tables")
     bench_args(bp, "runs/bench", [0, 1, 2], 20, 6)
@@ -485,7 +501,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_args(lo, "runs/iopfl_loso", [0, 1], 10, 5)
     lo.set_defaults(func=_iopfl)
 
-    rp = sub.add_parser("report", help="cost benchmarks and data heterogeneity (Markdown tables); the protocols are `pflseg bench`")
+    rp = sub.add_parser("report",
+                        help="cost benchmarks and data heterogeneity (Markdown tables); the protocols are `pflseg "
+                        "bench`")
     rp.add_argument("report", choices=["fedsm-benchmark", "grace-benchmark", "heterogeneity", "iopfl-cost"],
                     help="which report: fedsm-benchmark, grace-benchmark, heterogeneity or iopfl-cost")
     rp.add_argument("--workspace", help="default runs/<report>")
@@ -528,20 +546,24 @@ def build_parser() -> argparse.ArgumentParser:
         parser.add_argument("--workspace", default="runs/federation",
                             help="folder of the provisioned kits and their processes (default: runs/federation)")
 
-    sb = sub.add_parser("submit", help="submit a job folder through the FLARE API, wait, download, print per-site metrics")
+    sb = sub.add_parser("submit",
+                        help="submit a job folder through the FLARE API, wait, download, print per-site metrics")
     sb.add_argument("job", help="job folder (e.g. jobs/fedavg)")
     sb.add_argument("--kit", required=True, help="the admin's startup kit folder")
     sb.add_argument("--user", help="admin user name (default: the kit folder's name)")
-    sb.add_argument("--timeout", type=_seconds, default=3600.0, help="seconds to wait for the job to finish (default 3600)")
+    sb.add_argument("--timeout", type=_seconds, default=3600.0,
+                    help="seconds to wait for the job to finish (default 3600)")
     sb.add_argument("--out", help="where to put the downloaded job (default: the kit's transfer folder)")
     sb.set_defaults(func=_submit)
 
-    pc = sub.add_parser("poc", help="FLARE POC on loopback: prepare, start, submit one job, print per-site metrics, stop")
+    pc = sub.add_parser("poc",
+                        help="FLARE POC on loopback: prepare, start, submit one job, print per-site metrics, stop")
     pc.add_argument("--job", default="fedavg", help="job name (app_configs/<job>.yaml; default fedavg)")
     _site_args(pc, "all sites of --data, else 2")
     pc.add_argument("--rounds", type=_positive, default=2, help="federated rounds (default 2)")
     pc.add_argument("--data", help="data root (default: synthetic data made at each site); its sites are the POC sites")
-    pc.add_argument("--workspace", default="runs/poc", help="folder of the POC kits, jobs and results (default: runs/poc)")
+    pc.add_argument("--workspace", default="runs/poc",
+                    help="folder of the POC kits, jobs and results (default: runs/poc)")
     pc.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     pc.set_defaults(func=_poc)
 

@@ -240,7 +240,8 @@ def validate(cfg: Mapping, source: str = "config") -> None:
     check_net_budget(cfg, source)
     fedsm = cfg["fedsm"]
     if not 0.0 <= fedsm["lam"] <= 1.0 or not 0.0 <= fedsm["gamma"] <= 1.0:
-        raise ConfigError(f"{source}: fedsm.lam and fedsm.gamma must lie in [0, 1], got {fedsm['lam']}, {fedsm['gamma']}")
+        raise ConfigError(f"{source}: fedsm.lam and fedsm.gamma must lie in [0, 1], got {fedsm['lam']}, "
+                          f"{fedsm['gamma']}")
     if fedsm["selector"] not in ("compact", "vgg11") or fedsm["selector_steps"] not in ("epoch", "batch"):
         raise ConfigError(f"{source}: fedsm.selector must be compact|vgg11 and fedsm.selector_steps epoch|batch")
     for key, allowed in {"selector_fit": ("lda", "softmax"), "selector_input": ("intensity", "zscore")}.items():
@@ -249,8 +250,10 @@ def validate(cfg: Mapping, source: str = "config") -> None:
     if not 0.0 < fedsm["lda_shrinkage"] <= 1.0:
         raise ConfigError(f"{source}: fedsm.lda_shrinkage must lie in (0, 1], got {fedsm['lda_shrinkage']}")
     if fedsm["selector_steps"] == "epoch" and fedsm["selector_epochs"] != 1:
-        raise ConfigError(f"{source}: fedsm.selector_epochs={fedsm['selector_epochs']} needs fedsm.selector_steps: batch; "
-                          "epoch mode takes exactly one full-batch step per round, on the server, on the pooled gradient")
+        raise ConfigError(f"{source}: fedsm.selector_epochs={fedsm['selector_epochs']} needs fedsm.selector_steps: "
+                          "batch; "
+                          "epoch mode takes exactly one full-batch step per round, on the server, on the pooled "
+                          "gradient")
     if any(not 0.0 <= g <= 1.0 for g in fedsm["gammas"]):
         raise ConfigError(f"{source}: every fedsm.gammas value must lie in [0, 1], got {fedsm['gammas']}")
     if not 0.0 < fedsm["familiar_quantile"] <= 1.0:
@@ -282,7 +285,8 @@ def validate(cfg: Mapping, source: str = "config") -> None:
         raise ConfigError(f"{source}: iopfl.lr_guard must be null or a relative tolerance in [0, 10] (0 = no collapse "
                           f"guard), got {guard!r}")
     comparators = iopfl["comparators"]
-    if not isinstance(comparators, bool) and not (isinstance(comparators, list) and all(isinstance(m, str) for m in comparators)):
+    if not isinstance(comparators, bool) and not (isinstance(comparators, list)
+                                                  and all(isinstance(m, str) for m in comparators)):
         raise ConfigError(f"{source}: iopfl.comparators must be true, false or a list of method names (e.g. "
                           f"[global, global_bn, tent]), got {comparators!r}")
     if isinstance(iopfl["lr"], bool) or not iopfl["lr"] >= 0:
@@ -291,7 +295,8 @@ def validate(cfg: Mapping, source: str = "config") -> None:
         raise ConfigError(f"{source}: iopfl.tau must lie in [0, 1], got {iopfl['tau']}")
     lcfed = cfg["lcfed"]
     if lcfed["contrast_on"] not in ("gate", "gate_all", "embedding"):
-        raise ConfigError(f"{source}: lcfed.contrast_on must be one of gate, gate_all, embedding, got {lcfed['contrast_on']!r}")
+        raise ConfigError(f"{source}: lcfed.contrast_on must be one of gate, gate_all, embedding, got "
+                          f"{lcfed['contrast_on']!r}")
     if lcfed["hc_map"] not in ("disagreement", "zeros", "self_uncertainty"):
         raise ConfigError(f"{source}: lcfed.hc_map must be one of disagreement, zeros, self_uncertainty, "
                           f"got {lcfed['hc_map']!r}")
@@ -308,19 +313,52 @@ def validate(cfg: Mapping, source: str = "config") -> None:
         raise ConfigError(f"{source}: fedprox.mu must be >= 0, got {cfg['fedprox']['mu']}")
     robust = cfg["robust"]
     if robust["aggregation"] not in ("mean", "median", "trimmed_mean"):
-        raise ConfigError(f"{source}: robust.aggregation must be one of mean, median, trimmed_mean, got {robust['aggregation']!r}")
+        raise ConfigError(f"{source}: robust.aggregation must be one of mean, median, trimmed_mean, got "
+                          f"{robust['aggregation']!r}")
     if not 0.0 <= robust["trim"] < 0.5:
-        raise ConfigError(f"{source}: robust.trim must lie in [0, 0.5) (the fraction dropped at each end), got {robust['trim']}")
+        raise ConfigError(f"{source}: robust.trim must lie in [0, 0.5) (the fraction dropped at each end), got "
+                          f"{robust['trim']}")
     for key in ("n_k_ratio", "norm_ratio"):
         if not (robust[key] == 0 or 1.0 <= robust[key] <= 1e12):
             raise ConfigError(f"{source}: robust.{key} must be 0 (no bound) or in [1, 1e12] (a multiple of the other "
                               f"sites' median; an honest site may be that many times the others), got {robust[key]}")
     check_update_privacy(cfg["privacy"]["update"], source)
+    check_tracking(cfg["tracking"], source)
 
 
 #: ``privacy.update.filters`` entries: a FLARE filter class by its dotted path, under the key ``filter`` (FLARE's
 #: config scanner takes any dict with a ``path``, ``class_path`` or ``name`` key inside the job config for a component)
 FILTER_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$"
+
+
+#: ``tracking.receivers``: name -> the module its FLARE receiver needs at the server, the pip command that brings it
+TRACKERS = {"tensorboard": ("tensorboard", 'pip install tensorboard'),
+            "mlflow": ("mlflow", 'pip install "pflseg[tracking]"  (or: pip install "mlflow>=2.10,<3")')}
+
+
+def check_tracking(tracking: Mapping, source: str = "config") -> None:
+    """``tracking``: receivers a list of distinct TRACKERS names; mlflow_uri, experiment null or a non-empty string."""
+    receivers = tracking["receivers"]
+    if (not isinstance(receivers, list) or any(r not in TRACKERS for r in receivers)
+            or len(set(receivers)) != len(receivers)):
+        raise ConfigError(f"{source}: tracking.receivers must be a list of distinct names out of {', '.join(TRACKERS)} "
+                          f"([] = none), got {receivers!r}")
+    for key in ("mlflow_uri", "experiment"):
+        value = tracking[key]
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise ConfigError(f"{source}: tracking.{key} must be null or a non-empty string, got {value!r}")
+
+
+def check_trackers_installed(tracking: Mapping, source: str = "config") -> None:
+    """Every receiver of ``tracking.receivers`` importable here (where the job is built and its server runs):
+    ConfigError naming the key and the pip command otherwise, before FLARE starts."""
+    import importlib.util
+
+    for name in tracking["receivers"]:
+        module, pip = TRACKERS[name]
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"{source}: tracking.receivers lists {name}, but the {module} package is not installed: "
+                              f"{pip}, or take {name} out of tracking.receivers")
 
 
 def check_update_privacy(update: Mapping, source: str = "config") -> None:
@@ -330,18 +368,23 @@ def check_update_privacy(update: Mapping, source: str = "config") -> None:
         raise ConfigError(f"{source}: privacy.update.send must be weights or diff, got {update['send']!r}")
     clip, sigma = update["dp"]["clip"], update["dp"]["noise_multiplier"]
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not 0 < clip <= 1e12):
-        raise ConfigError(f"{source}: privacy.update.dp.clip must be null (off) or a norm bound in (0, 1e12], got {clip!r}")
+        raise ConfigError(f"{source}: privacy.update.dp.clip must be null (off) or a norm bound in (0, 1e12], got "
+                          f"{clip!r}")
     if not 0.0 <= sigma <= 1e6:  # also NaN
         raise ConfigError(f"{source}: privacy.update.dp.noise_multiplier must lie in [0, 1e6], got {sigma!r}")
     if sigma > 0 and clip is None:
-        raise ConfigError(f"{source}: privacy.update.dp.noise_multiplier={sigma} needs privacy.update.dp.clip (the noise's "
+        raise ConfigError(f"{source}: privacy.update.dp.noise_multiplier={sigma} needs privacy.update.dp.clip (the "
+                          "noise's "
                           "standard deviation is noise_multiplier x clip)")
     filters = update["filters"]
     for entry in filters:
-        if (not isinstance(entry, Mapping) or set(entry) - {"filter", "args"} or not isinstance(entry.get("filter"), str)
+        if (not isinstance(entry, Mapping) or set(entry) - {"filter", "args"}
+            or not isinstance(entry.get("filter"), str)
                 or not re.fullmatch(FILTER_PATH, entry["filter"]) or not isinstance(entry.get("args", {}), Mapping)):
-            raise ConfigError(f"{source}: privacy.update.filters entry {entry!r} must be {{filter: <dotted class path>, "
-                              "args: {...}}, e.g. {filter: nvflare.app_common.filters.ExcludeVars, args: {exclude_vars: "
+            raise ConfigError(f"{source}: privacy.update.filters entry {entry!r} must be "
+                              f"{{filter: <dotted class path>, "
+                              "args: {...}}, e.g. {filter: nvflare.app_common.filters.ExcludeVars, args: "
+                              "{exclude_vars: "
                               "['global.model.0.conv.unit0.conv.weight']}}")
     if filters and update["send"] != "diff":
         raise ConfigError(f"{source}: privacy.update.filters need privacy.update.send: diff (FLARE's filters work on "
@@ -364,6 +407,7 @@ def load_job_config(name: str, config_dir: Path | None = None, overrides: Mappin
     if overrides:
         cfg = merge(cfg, overrides, "command-line overrides")
     validate(cfg, str(path))
+    check_trackers_installed(cfg["tracking"], str(path))
     cfg["name"] = name
     return cfg
 

@@ -25,7 +25,8 @@ def federation(tmp_path_factory, intruder: bool = False):
     fed.start()
     fed.intruder = None
     if intruder:  # its own root CA, the same name as a real site: wrong certificates
-        port = json.loads((fed.kit("site-1") / "startup" / "fed_client.json").read_text())["servers"][0]["service"]["target"]
+        client_cfg = json.loads((fed.kit("site-1") / "startup" / "fed_client.json").read_text())
+        port = client_cfg["servers"][0]["service"]["target"]
         fed.intruder = LocalFederation(ws / "intruder", progress=lambda m: None)
         provision_loopback(fed.intruder.workspace, REPO_PROJECT, port=int(port.split(":")[1]))
         fed.intruder.start_participant("site-1")

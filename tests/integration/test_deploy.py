@@ -1,8 +1,9 @@
 """A provisioned 3-site federation on loopback, started once for the module: jobs submitted through the
 FLARE API in package mode (FedAvg, FedBN), refusals (a lead's BYOC job, a shell command at another
 organisation's site, a user without the right, a client from another project), a straggler beyond the task
-timeout, a site restarted mid-job, and a shutdown that leaves no process behind. Tests run in file order on the one federation. The server SIGKILLed mid-round and a site dead
-for good: test_deploy_faults.py (its own federation)."""
+timeout, a site restarted mid-job, and a shutdown that leaves no process behind. Tests run in file order on
+the one federation. The server SIGKILLed mid-round and a site dead for good: test_deploy_faults.py (its own
+federation)."""
 
 import signal
 import threading

@@ -48,7 +48,8 @@ def test_server_killed_mid_round_then_resumed_gives_the_uninterrupted_models(fed
                      progress=lambda m: None, poll=0.5)
     check_per_site(resumed, SITES)
     assert [h["round"] for h in resumed["history"]] == [0, 1] and not resumed["missing"]
-    a, b = unprefixed("global", load_file(aside / "final.pt")), unprefixed("global", load_file(state / name / "final.pt"))
+    a, b = (unprefixed("global", load_file(aside / "final.pt")),
+            unprefixed("global", load_file(state / name / "final.pt")))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 

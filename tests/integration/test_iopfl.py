@@ -5,10 +5,9 @@ import pytest
 import torch
 
 from pflseg.data import make_synthetic
-from pflseg.flare.jobs import export_job
 from pflseg.deploy.simulator import run_simulator
+from pflseg.flare.jobs import export_job
 from pflseg.flare.state import RoundStore, load_file
-
 from tests.integration.test_simulator import TINY, assert_same_states, server_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("iopfl")]  # one worker: shared module fixture
@@ -61,7 +60,8 @@ def test_routing_at_an_outside_site_writes_predictions_and_metrics(trained, tmp_
               iopfl={"bundle": str(ws / "state" / "server" / "iopfl"), "epochs": 1})
     assert res["inside_sites"] == ["site-1", "site-2"] and res["targets"] == ["site-3"]
     out = res["route"]["site-3"]
-    assert sorted(out["methods"]) == sorted(["global", "global_bn", "average", "average_bn", "ensemble", "ensemble_bn", "tent",
+    assert sorted(out["methods"]) == sorted(["global", "global_bn", "average", "average_bn", "ensemble", "ensemble_bn",
+                                             "tent",
                                              "tent_epochs", "routing_global", "routing_layer", "routing"])
     for m in out["methods"].values():
         assert 0.0 <= m["dice"] <= 1.0 and "per_case" not in m  # aggregate metrics only (privacy.per_case: false)

@@ -11,8 +11,8 @@ import torch
 
 from pflseg.config import job_names
 from pflseg.data import make_synthetic
-from pflseg.flare.jobs import export_job
 from pflseg.deploy.simulator import run_simulator
+from pflseg.flare.jobs import export_job
 from pflseg.flare.state import RoundStore
 
 pytestmark = pytest.mark.slow
@@ -65,7 +65,8 @@ def assert_same_states(a: dict, b: dict):
 # (grace with grace.self_similarity: exclude, unit-tested in test_grace.py) and lcfed_hczero / lcfed_hcself (lcfed
 # with lcfed.hc_map: zeros / self_uncertainty, unit-tested in test_lcfed.py and the site / controller tests)
 COVERED_ELSEWHERE = ("fedsm", "fedsm_extra", "fedsm_fundus", "fedsm_infer", "fedbn", "grace", "lcfed", "iopfl",
-                     "iopfl_route", "centralized_lcnet", "grace_refcode", "lcfed_hczero", "lcfed_hcself")
+                     "iopfl_route", "centralized_lcnet", "grace_refcode", "lcfed_hczero", "lcfed_hcself",
+                     "cross_site")  # test_cross_site.py
 
 
 #: what each job's results must hold: sites run, rounds in the history (extra selector round), a global
@@ -76,7 +77,8 @@ EXPECT = {
     "fedprox":            dict(sites=2, rounds=2, glob=True, iou=False, coarse=False, classes=1),
     "centralized":        dict(sites=2, rounds=2, glob=True, iou=False, coarse=False, classes=1),
     "fedsm_extra_fundus": dict(sites=2, rounds=3, glob=True, iou=False, coarse=False, classes=2),
-    "grace_server":       dict(sites=3, rounds=2, glob=True, iou=False, coarse=False, classes=1),  # K = 2: uniform weights
+    # K = 2: uniform weights
+    "grace_server":       dict(sites=3, rounds=2, glob=True, iou=False, coarse=False, classes=1),
     "grace_client":       dict(sites=2, rounds=2, glob=True, iou=False, coarse=False, classes=1),
     "lcfed_fundus":       dict(sites=2, rounds=2, glob=False, iou=True, coarse=True, classes=2),
     "lcfed_nohc":         dict(sites=2, rounds=2, glob=False, iou=True, coarse=False, classes=1),
@@ -159,7 +161,8 @@ def test_threads_and_resume_do_not_change_the_models(name, tmp_path, data):
         if name == "grace":
             assert any(k.startswith("disc.") for k in a.load(1))
     if name == "lcfed":
-        assert sorted({k.split(".")[1] for k in server_state(tmp_path / "resumed", name) if k.startswith("heads.")}) == straight["sites"]
+        assert sorted({k.split(".")[1] for k in server_state(tmp_path / "resumed", name)
+                       if k.startswith("heads.")}) == straight["sites"]
 
 
 def test_missing_data_location_fails_with_a_clear_message(tmp_path, monkeypatch):

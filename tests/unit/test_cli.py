@@ -79,3 +79,15 @@ def test_submit_to_a_server_that_is_down_is_an_error_naming_the_kit(tmp_path, mo
     assert main(["submit", "jobs/fedavg", "--kit", str(tmp_path / "admin")]) == 2
     err = capsys.readouterr().err
     assert "cannot reach the FLARE server" in err and str(tmp_path / "admin") in err and "deploy local" in err
+
+
+def test_sites_is_a_number_everywhere_and_jobs_export_takes_site_names(capsys):
+    """Before: `jobs export --sites a,b` took a list of names where every other command takes a count."""
+    args = build_parser().parse_args(["jobs", "export", "fedavg", "--gpu-mem", "4", "--site-names", "a,b"])
+    assert args.site_names == "a,b"
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["jobs", "export", "fedavg", "--sites", "a,b"])
+    assert exit_.value.code == 2 and "--site-names" in capsys.readouterr().err
+    counts = [a for path, parser in _parsers(build_parser()) for a in parser._actions
+              if "--sites" in a.option_strings and a.help != argparse.SUPPRESS]
+    assert counts and all(a.type.__name__ == "_positive" for a in counts)

@@ -40,7 +40,8 @@ def test_the_wheel_runs_its_configs_from_outside_the_checkout(tmp_path):
     assert shipped <= names and "pflseg/_data/provisioning/project.yml" in names and "pflseg/py.typed" in names
     assert any(n.endswith("licenses/LICENSE") for n in names)
     code = ("import pflseg, pflseg.config as c\nfrom pflseg.deploy.provision import REPO_PROJECT\n"
-            "print(pflseg.__file__); print(c.configs_dir()); print(REPO_PROJECT); print(c.load_job_config('fedavg')['name'])")
+            "print(pflseg.__file__); print(c.configs_dir()); print(REPO_PROJECT); "
+            "print(c.load_job_config('fedavg')['name'])")
     env = {k: v for k, v in os.environ.items() if k != "PFLSEG_CONFIGS"}
     env["PYTHONPATH"] = str(tmp_path / "site")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env,

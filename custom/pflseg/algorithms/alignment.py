@@ -114,7 +114,7 @@ def mmd(
 
     def kernel_mean(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         d2 = _sq_dists(a, b)
-        return sum(torch.exp(-g * d2) for g in gammas).mean()
+        return sum((torch.exp(-g * d2) for g in gammas), torch.zeros_like(d2)).mean()
 
     return kernel_mean(x, x) + kernel_mean(y, y) - 2.0 * kernel_mean(x, y)
 
@@ -124,11 +124,13 @@ class GradReverse(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, lam: float = 1.0) -> torch.Tensor:
+        """``x`` unchanged (any shape); ``lam`` is kept for the backward pass."""
         ctx.lam = float(lam)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        """``-lam * grad`` (the shape of ``x``) for ``x``, no gradient for ``lam``."""
         return -ctx.lam * grad, None
 
 
@@ -162,6 +164,7 @@ class DomainDiscriminator(nn.Module):
         self.head = nn.Linear(hidden, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Feature maps (B, d, H, W) -> logits (B, 1), positive = "local"."""
         if x.dim() != 4:
             raise ValueError(f"DomainDiscriminator expects (B, d, H, W), got shape {tuple(x.shape)}")
         return self.head(self.features(x))

@@ -1,5 +1,6 @@
-"""Site-side differential privacy of a model update: clip its L2 norm, add Gaussian noise (DP-SGD's
-mechanism applied once per round to the whole update, as in DP-FedAvg with local noise).
+"""Site-side differential privacy of a model update: clip its L2 norm, then add Gaussian noise.
+
+This is DP-SGD's mechanism applied once per round to the whole update, as in DP-FedAvg with local noise.
 
 For the update Delta of a site (what it trained minus what it received; a dict of tensors)::
 
@@ -58,8 +59,11 @@ def clip_update(update: dict[str, torch.Tensor], clip: float) -> tuple[dict[str,
 
 
 def add_noise(update: dict[str, torch.Tensor], std: float, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """``update`` plus N(0, std^2) drawn from ``generator`` (CPU) for every float coordinate, keys in sorted
-    order (so a seed gives the same noise whatever the dict's order); integer tensors as they are."""
+    """``update`` plus N(0, std^2) drawn from ``generator`` (CPU) for every float coordinate.
+
+    The keys are drawn in sorted order, so a seed gives the same noise whatever the dict's order. Integer
+    tensors stay as they are.
+    """
     if std < 0:
         raise ValueError(f"std={std!r}: the noise standard deviation must be >= 0")
     out = dict(update)
@@ -74,8 +78,9 @@ def add_noise(update: dict[str, torch.Tensor], std: float, generator: torch.Gene
 
 def privatize(update: dict[str, torch.Tensor], clip: float | None, noise_multiplier: float,
               generator: torch.Generator | None = None) -> tuple[dict[str, torch.Tensor], float]:
-    """Clip ``update``'s L2 norm to ``clip`` (None: no clipping), then add N(0, (noise_multiplier x clip)^2) per
-    float coordinate. Integer tensors are untouched.
+    """Clip ``update``'s L2 norm to ``clip``, then add N(0, (noise_multiplier x clip)^2) per float coordinate.
+
+    ``clip`` None means no clipping. Integer tensors are untouched.
 
     Args:
         update: key -> tensor, a site's model update (trained minus received).
@@ -102,9 +107,11 @@ def privatize(update: dict[str, torch.Tensor], clip: float | None, noise_multipl
 
 
 def floor_at(update: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], keys, low: float = 0.0) -> dict:
-    """``update`` changed so that ``reference[k] + update[k] >= low`` for each of ``keys`` (e.g. batch norm's
-    running variances, which noise could make negative). Post-processing of the private update with public
-    ``reference`` values: it costs no privacy."""
+    """``update`` changed so that ``reference[k] + update[k] >= low`` for each of ``keys``.
+
+    Used for e.g. batch norm's running variances, which noise could make negative. This is post-processing of
+    the private update with public ``reference`` values, so it costs no privacy.
+    """
     out = dict(update)
     for k in keys:
         if k in update and k in reference:
@@ -113,7 +120,7 @@ def floor_at(update: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]
 
 
 def zcdp_epsilon(noise_multiplier: float, rounds: int, delta: float, sensitivity: float = 2.0) -> float:
-    """epsilon of (epsilon, delta)-DP after ``rounds`` releases of a site's clipped, noised update.
+    """Epsilon of (epsilon, delta)-DP after ``rounds`` releases of a site's clipped, noised update.
 
     Args:
         noise_multiplier: sigma (> 0; 0 gives infinity).

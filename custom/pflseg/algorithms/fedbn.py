@@ -14,7 +14,7 @@ NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
 
 def norm_keys(model: nn.Module) -> set[str]:
     """State-dict keys (parameters and buffers) that belong to normalisation layers of ``model``."""
-    keys = set()
+    keys: set[str] = set()
     for mod_name, module in model.named_modules():
         if isinstance(module, NORM_TYPES):
             prefix = f"{mod_name}." if mod_name else ""

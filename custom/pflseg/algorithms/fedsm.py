@@ -195,11 +195,13 @@ def average_moments(moments: Sequence[Mapping[str, torch.Tensor]], weights: Sequ
         moments: K flat dicts as made by ``flatten_optimizer_state`` (``"<i>.exp_avg"``,
             ``"<i>.exp_avg_sq"``, ``"<i>.step"``), same keys and shapes at every site.
         weights: K non-negative weights (n_k); normalised here.
-        rule, trim: ``mean`` (default) or a robust rule (``pflseg.algorithms.robust.aggregate``).
+        rule: ``mean`` (default) or a robust rule (``pflseg.algorithms.robust.aggregate``).
+        trim: fraction trimmed at each end by ``trimmed_mean`` (``pflseg.algorithms.robust.trim_count``);
+            ignored by the other rules.
 
     Returns:
-        A new flat dict ``sum_k p_k m_k`` (or the rule's combination) (float64 accumulation, cast back to each dtype). Inputs are not
-        modified.
+        A new flat dict ``sum_k p_k m_k`` (or the rule's combination) (float64 accumulation, cast back to each
+        dtype). Inputs are not modified.
     """
     if len(moments) == 0:
         raise ValueError("moments: need at least one site's moments")
@@ -305,7 +307,8 @@ def selector_view(image: torch.Tensor, intensity: torch.Tensor | None, mode: str
 # ---------------------------------------------------------------------------------------------------
 
 
-def selector_gradient(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[dict, float]:
+def selector_gradient(model: torch.nn.Module,
+                      batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[dict, float]:
     """Gradient of the SUMMED cross-entropy over all ``batches`` at ``model``'s current parameters.
 
     Args:
@@ -360,7 +363,7 @@ def pooled_adam_step(params: Mapping[str, torch.Tensor], grads: Sequence[Mapping
     if moments:
         optimizer.load_state_dict(unflatten_optimizer_state(moments, optimizer.state_dict()["param_groups"]))
     for leaf, name in zip(leaves, names):
-        leaf.grad = sum(g[name].to(leaf.dtype) for g in grads)
+        leaf.grad = sum((g[name].to(leaf.dtype) for g in grads), torch.zeros_like(leaf))
     optimizer.step()
     return {n: leaf.detach().clone() for n, leaf in zip(names, leaves)}, flatten_optimizer_state(optimizer.state_dict())
 
@@ -383,7 +386,8 @@ def class_statistics(features: torch.Tensor, labels: torch.Tensor, num_classes: 
         statistics of several sites (or batches) add up key by key (``add_statistics``).
     """
     if features.ndim != 2 or labels.shape != (features.shape[0],):
-        raise ValueError(f"features must be (N, D) and labels (N,), got {tuple(features.shape)} and {tuple(labels.shape)}")
+        raise ValueError(f"features must be (N, D) and labels (N,), got {tuple(features.shape)} and "
+                         f"{tuple(labels.shape)}")
     if labels.numel() and (labels.min() < 0 or labels.max() >= num_classes):
         raise ValueError(f"labels must lie in [0, {num_classes}), got {labels.min().item()}..{labels.max().item()}")
     phi = features.detach().to(torch.float64).cpu()
@@ -395,7 +399,7 @@ def add_statistics(stats: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, tor
     """Key-by-key sum of ``class_statistics`` dicts (of sites or of batches)."""
     if len(stats) == 0:
         raise ValueError("stats: need at least one set of statistics")
-    return {key: sum(s[key] for s in stats) for key in ("gram", "sum", "count")}
+    return {key: sum((s[key] for s in stats), torch.zeros_like(stats[0][key])) for key in ("gram", "sum", "count")}
 
 
 #: Bias of a class that no site has samples of: never chosen.
@@ -468,20 +472,23 @@ def lda_gaussians(stats: Mapping[str, torch.Tensor], shrinkage: float) -> dict[s
 
 
 def min_mahalanobis(features: torch.Tensor, mean: torch.Tensor, precision: torch.Tensor) -> torch.Tensor:
-    """Squared Mahalanobis distance of each feature to the NEAREST class mean (d2_min; Lee et al., NeurIPS 2018):
-    min_c (phi - mu_c)^T P (phi - mu_c). Large = unlike every class the selector was fitted on (an image the
-    selector's posterior says nothing reliable about).
+    """Squared Mahalanobis distance of each feature to the NEAREST class mean (d2_min; Lee et al., NeurIPS 2018).
+
+    d2_min = min_c (phi - mu_c)^T P (phi - mu_c). A large value means the feature is unlike every class the
+    selector was fitted on: an image the selector's posterior says nothing reliable about.
 
     Args:
         features: (N, D) selector features (``Selector.embed``).
-        mean: (C, D) class means, C >= 1; precision: (D, D) shared precision (``lda_gaussians``).
+        mean: (C, D) class means, C >= 1.
+        precision: (D, D) shared precision (``lda_gaussians``).
 
     Returns:
         float64 (N,) on the CPU, each >= 0 (up to rounding) when ``precision`` is positive definite.
     """
     if features.ndim != 2 or mean.ndim != 2 or mean.shape[0] < 1 or features.shape[1] != mean.shape[1] \
             or precision.shape != (mean.shape[1], mean.shape[1]):
-        raise ValueError(f"features (N, D), mean (C >= 1, D) and precision (D, D) must agree, got {tuple(features.shape)}, "
+        raise ValueError("features (N, D), mean (C >= 1, D) and precision (D, D) must agree, got "
+                         f"{tuple(features.shape)}, "
                          f"{tuple(mean.shape)} and {tuple(precision.shape)}")
     phi = features.detach().to(torch.float64).cpu()
     diff = phi[:, None, :] - mean.to(torch.float64).cpu()[None]  # (N, C, D)
@@ -502,7 +509,9 @@ def nll_at_temperatures(logits: torch.Tensor, labels: torch.Tensor,
     """Summed negative log-likelihood of ``labels`` under softmax(logits / T), for every T.
 
     Args:
-        logits: (N, K) selector logits. labels: (N,) classes. temperatures: T > 0 values.
+        logits: (N, K) selector logits.
+        labels: (N,) classes.
+        temperatures: T > 0 values.
 
     Returns:
         float64 tensor (len(temperatures),); sums of several sites' add up.

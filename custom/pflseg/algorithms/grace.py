@@ -50,8 +50,8 @@ import torch
 from torch import nn
 
 from pflseg.algorithms.fedavg import normalized_weights
-from pflseg.algorithms.robust import aggregate, check_rule, combine_rows
 from pflseg.algorithms.fedbn import norm_keys
+from pflseg.algorithms.robust import aggregate, check_rule, combine_rows
 
 State = Mapping[str, torch.Tensor]
 
@@ -270,8 +270,10 @@ def grace_step(
         trainable_keys: keys of the updates (use :func:`grace_keys`); default: every floating-point key
             of ``global_state`` not in ``buffer_keys``.
         buffer_keys: normalisation buffers averaged with p' (use :func:`grace_keys`); default: none.
-        rule, trim: how the K updates (and buffers) are combined: ``mean`` (the paper's p'-weighted sum),
+        rule: how the K updates (and buffers) are combined: ``mean`` (the paper's p'-weighted sum),
             ``median`` or ``trimmed_mean`` (coordinate-wise, :func:`pflseg.algorithms.robust.combine_rows`).
+        trim: fraction trimmed at each end by ``trimmed_mean`` (:func:`pflseg.algorithms.robust.trim_count`);
+            ignored by the other rules.
 
     Returns:
         ``(new_state, info)``: a new dict with every key of ``global_state`` (trainable keys stepped,
@@ -315,7 +317,8 @@ def grace_step(
     for key in trainable:
         ref = global_state[key]
         block = _update_block(global_state, client_states, key, torch.float64)  # (K, p)
-        step = (p_prime[None, :] @ block if rule == "mean" else combine_rows(block, p_prime.tolist(), rule, trim)).reshape(ref.shape)
+        step = (p_prime[None, :] @ block if rule == "mean"
+                else combine_rows(block, p_prime.tolist(), rule, trim)).reshape(ref.shape)
         new_state[key] = (ref.detach().to("cpu", torch.float64) - eta_g * step).to(ref.dtype)
     if buffers:
         new_state.update(aggregate(client_states, p_prime.tolist(), buffers, rule, trim))

@@ -49,6 +49,7 @@ Pure torch, no I/O; the server side is in grace.py, the alignment losses in alig
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -262,6 +263,7 @@ def meta_step(
             discriminator's loss) to ``record["align_loss_sum"]`` (absent with beta = 0: not computed), so
             ``task_loss_sum / inner_steps`` and ``align_loss_sum / inner_steps`` are the round's means of the
             two terms, L_meta = L_task + beta * L_align. Left untouched when the call fails.
+
     Returns:
         L_meta at theta' as a float.
     """
@@ -297,11 +299,12 @@ def meta_step(
 
         optimizer.zero_grad(set_to_none=True)
         align = None
-        if beta > 0:
-            global_features = frozen_features(global_model, model, feature_fn, b2["image"])
-            features, logits = feature_fn(model, b2["image"])
+        if beta > 0:  # then align_fn, global_model and feature_fn are given (checked on entry)
+            features_of = cast(FeatureFn, feature_fn)
+            global_features = frozen_features(cast(nn.Module, global_model), model, features_of, b2["image"])
+            features, logits = features_of(model, b2["image"])
             task = loss_fn(logits, b2["label"])
-            align = align_fn(features, global_features)
+            align = cast(AlignFn, align_fn)(features, global_features)
             loss = task + beta * align
         else:
             task = loss = loss_fn(model(b2["image"]), b2["label"])

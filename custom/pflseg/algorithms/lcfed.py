@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +86,47 @@ import torch.nn.functional as F
 from pflseg.algorithms.robust import aggregate
 
 State = Mapping[str, torch.Tensor]
+
+
+class _PCS(Protocol):
+    """What this module calls of PCS (``pflseg.nets.lcfed.PCS``); site indices are long tensors.
+
+    The nets layer sits above the algorithms, so the interface is stated here rather than imported.
+    """
+
+    def embed(self, site_index: torch.Tensor) -> torch.Tensor:
+        """Widened embeddings of sites ``site_index`` ((M,) long) -> (M, E)."""
+        ...
+
+    def site_gates(self, descriptor: torch.Tensor, site_index: torch.Tensor) -> torch.Tensor:
+        """Gates of descriptors (B, C) under each of M sites' one-hot vectors ((M,) long) -> (B, M, C)."""
+        ...
+
+    def own_gate(self, descriptor: torch.Tensor, site_index: torch.Tensor) -> torch.Tensor:
+        """Gates of descriptors (B, C) for their own sites ((B,) long) -> (B, C).
+
+        Only the first widening layer's weight gets a gradient, so site k's term moves its own column only.
+        """
+        ...
+
+
+class _LCFedNet(Protocol):
+    """What this module reads of an LC-Fed net (``pflseg.nets.lcfed.LCFedNet``) beyond ``nn.Module``.
+
+    The nets layer sits above the algorithms, so the interface is stated here rather than imported.
+    """
+
+    PERSONAL_MODULES: tuple[str, ...]
+    pcs: _PCS | None
+    head: torch.nn.Conv2d
+
+    def parts(self, image: torch.Tensor, site_index: int) -> dict:
+        """``{"feature", "coarse", "embedding", "gate", "descriptor"}`` of one forward pass."""
+        ...
+
+    def calibrated_logits(self, feature: torch.Tensor, umap: torch.Tensor) -> torch.Tensor:
+        """HC's calibrated logits (B, C, H, W) from the feature (B, F, H, W) and a map (B, 1 or C, H, W)."""
+        ...
 
 
 def site_contrast_loss(emb_k: torch.Tensor, emb_others: torch.Tensor) -> torch.Tensor:
@@ -158,8 +200,10 @@ def nms(umap: torch.Tensor, window: int = 11, threshold: float = 0.2) -> torch.T
 
 
 def gaussian_kernel(size: int = 11, sigma: float | None = None) -> torch.Tensor:
-    """(size, size) Gaussian with centre value 1; ``sigma`` defaults to OpenCV's rule
-    0.3 * ((size - 1) / 2 - 1) + 0.8 (2.0 for size 11)."""
+    """(size, size) Gaussian with centre value 1.
+
+    ``sigma`` defaults to OpenCV's rule 0.3 * ((size - 1) / 2 - 1) + 0.8 (2.0 for size 11).
+    """
     if size < 1 or size % 2 == 0:
         raise ValueError(f"size: expected a positive odd int, got {size}")
     if sigma is None:
@@ -254,9 +298,12 @@ def scaled_window(window: int, side: int, reference: int) -> int:
 
 
 def hc_windows(cfg: Mapping, side: int) -> tuple[int, int, float | None]:
-    """``(nms_window, gauss_size, gauss_sigma)`` for a map of side ``side`` (``cfg``: keys of STEP_DEFAULTS;
-    windows scaled by :func:`scaled_window` with ``cfg["window_ref_size"]``, an explicit sigma by the same
-    ratio; None sigma = from the scaled size)."""
+    """``(nms_window, gauss_size, gauss_sigma)`` for a map of side ``side``.
+
+    ``cfg`` holds the keys of STEP_DEFAULTS. The windows are scaled by :func:`scaled_window` with
+    ``cfg["window_ref_size"]``, an explicit sigma by the same ratio; a None sigma is derived from the scaled
+    size.
+    """
     ref = cfg["window_ref_size"]
     sigma = cfg["gauss_sigma"]
     if sigma is not None and ref:
@@ -303,7 +350,9 @@ def average_shared(states: Sequence[State], keys: Sequence[str], rule: str = "me
     Args:
         states: K site states with the same keys and shapes.
         keys: shared keys (:func:`pflseg.nets.lcfed.shared_keys`), averaged with equal weights.
-        rule, trim: ``mean`` (default) or a robust rule (``pflseg.algorithms.robust.aggregate``).
+        rule: ``mean`` (default) or a robust rule (``pflseg.algorithms.robust.aggregate``).
+        trim: fraction trimmed at each end by ``trimmed_mean`` (``pflseg.algorithms.robust.trim_count``);
+            ignored by the other rules.
 
     Returns:
         K new dicts: the average at ``keys``, the site's own tensor at every other key. Inputs are not
@@ -345,10 +394,12 @@ def _step_cfg(cfg: Mapping | None) -> dict:
 
 
 def exchanges_heads(cfg: Mapping | None) -> bool:
-    """Whether site k needs the other sites' coarse heads (and so sends its own): HC on with the paper's
-    ``disagreement`` map. The ``zeros`` and ``self_uncertainty`` controls use the site's own head only.
-    ``cfg``: a mapping with (some of) the keys of STEP_DEFAULTS, e.g. the job's ``lcfed`` section; other keys
-    are ignored."""
+    """Whether site k needs the other sites' coarse heads (and so sends its own).
+
+    It does with HC on and the paper's ``disagreement`` map; the ``zeros`` and ``self_uncertainty`` controls
+    use the site's own head only. ``cfg`` is a mapping with (some of) the keys of STEP_DEFAULTS, e.g. the
+    job's ``lcfed`` section; other keys are ignored.
+    """
     cfg = {**STEP_DEFAULTS, **(cfg or {})}
     return bool(cfg["hc"]) and cfg["hc_map"] == "disagreement"
 
@@ -374,16 +425,17 @@ def site_contrast(
     """
     if contrast_on not in CONTRAST_ON:
         raise ValueError(f"contrast_on must be one of {', '.join(CONTRAST_ON)}, got {contrast_on!r}")
+    pcs = cast(_PCS, model.pcs)  # a net with PCS: L_sc is computed only then
     device = parts["embedding"].device
     others = torch.tensor([j for j in range(n_sites) if j != site_index], dtype=torch.long, device=device)
     if contrast_on == "embedding":
-        return site_contrast_loss(parts["embedding"], model.pcs.embed(others).detach())
+        return site_contrast_loss(parts["embedding"], pcs.embed(others).detach())
     with torch.no_grad():
-        other_gates = model.pcs.site_gates(parts["descriptor"].detach(), others)
+        other_gates = pcs.site_gates(parts["descriptor"].detach(), others)
     if contrast_on == "gate_all":
         return site_contrast_loss(parts["gate"], other_gates)
     own = torch.full((parts["descriptor"].shape[0],), site_index, dtype=torch.long, device=device)
-    return site_contrast_loss(model.pcs.own_gate(parts["descriptor"], own), other_gates)
+    return site_contrast_loss(pcs.own_gate(parts["descriptor"], own), other_gates)
 
 
 def head_map(model: torch.nn.Module, feature: torch.Tensor, other_heads: Sequence[State], cfg: Mapping) -> torch.Tensor:
@@ -397,52 +449,62 @@ def head_map(model: torch.nn.Module, feature: torch.Tensor, other_heads: Sequenc
     map (no calibration: the calibrated head sees the plain feature).
     """
     cfg = _step_cfg(cfg)
+    head = cast(_LCFedNet, model).head
     with torch.no_grad():
         feature = feature.detach()
         if cfg["hc_map"] == "zeros":
             b, _, h, w = feature.shape
-            return feature.new_zeros(b, model.head.out_channels, h, w)
-        own = torch.sigmoid(model.head(feature))
+            return feature.new_zeros(b, head.out_channels, h, w)
+        own = torch.sigmoid(head(feature))
         if cfg["hc_map"] == "self_uncertainty":
             raw = self_uncertainty_map(own)
         else:
             probs = [own]
-            for j, h in enumerate(other_heads):
-                if "weight" not in h:
+            for j, other in enumerate(other_heads):
+                if "weight" not in other:
                     raise KeyError(f"other_heads[{j}]: needs 'weight' (and optionally 'bias') of a 1x1 conv")
-                w = h["weight"].to(feature.device, feature.dtype)
-                b = h["bias"].to(feature.device, feature.dtype) if "bias" in h else None
-                probs.append(torch.sigmoid(F.conv2d(feature, w, b)))
+                weight = other["weight"].to(feature.device, feature.dtype)
+                bias = other["bias"].to(feature.device, feature.dtype) if "bias" in other else None
+                probs.append(torch.sigmoid(F.conv2d(feature, weight, bias)))
             raw = disagreement_map(probs)
         window, size, sigma = hc_windows(cfg, min(feature.shape[-2:]))
         return gaussian_enlarge(nms(raw, window, cfg["nms_threshold"]), size, sigma)
 
 
 def set_phase(model: torch.nn.Module, phase: str) -> None:
-    """Which parameters the next steps train: ``head`` (the personal modules, ``model.PERSONAL_MODULES``),
-    ``body`` (everything else) or ``all``; the others get ``requires_grad`` False (no gradient, so the
-    optimizer leaves them unchanged). The reference code's / FedRep's schedule is head, then body."""
+    """Choose which parameters the next steps train.
+
+    ``phase`` is ``head`` (the personal modules, ``model.PERSONAL_MODULES``), ``body`` (everything else) or
+    ``all``; the others get ``requires_grad`` False (no gradient, so the optimizer leaves them unchanged).
+    The reference code's / FedRep's schedule is head, then body.
+    """
     if phase not in ("head", "body", "all"):
         raise ValueError(f"phase: expected head, body or all, got {phase!r}")
-    personal = tuple(f"{m}." for m in model.PERSONAL_MODULES)
+    personal = tuple(f"{m}." for m in cast(_LCFedNet, model).PERSONAL_MODULES)
     for name, p in model.named_parameters():
         p.requires_grad_(phase == "all" or name.startswith(personal) == (phase == "head"))
 
 
 class SitePredictor(torch.nn.Module):
-    """Site k's segmentation model as ``forward(image) -> logits``: the calibrated head's logits when HC is
-    on (map by :func:`head_map`: from its own and ``other_heads`` with ``hc_map`` disagreement), the coarse
-    head's otherwise. Wraps (does not copy) ``model``."""
+    """Site k's segmentation model as ``forward(image) -> logits``.
 
-    def __init__(self, model: torch.nn.Module, site_index: int, other_heads: Sequence[State], cfg: Mapping | None = None):
+    The logits are the calibrated head's when HC is on (map by :func:`head_map`: from its own and
+    ``other_heads`` with ``hc_map`` disagreement), the coarse head's otherwise. Wraps (does not copy)
+    ``model``.
+    """
+
+    def __init__(self, model: torch.nn.Module, site_index: int, other_heads: Sequence[State],
+                 cfg: Mapping | None = None):
         super().__init__()
         self.model, self.site_index, self.other_heads, self.cfg = model, site_index, list(other_heads), _step_cfg(cfg)
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
-        out = self.model.parts(image, self.site_index)
+        """Logits (B, C, H, W) of site k for an image batch (B, in_channels, H, W)."""
+        net = cast(_LCFedNet, self.model)
+        out = net.parts(image, self.site_index)
         if not self.cfg["hc"]:
             return out["coarse"]
-        return self.model.calibrated_logits(out["feature"], head_map(self.model, out["feature"], self.other_heads, self.cfg))
+        return net.calibrated_logits(out["feature"], head_map(self.model, out["feature"], self.other_heads, self.cfg))
 
 
 def lcfed_step(
@@ -481,16 +543,17 @@ def lcfed_step(
         raise ValueError(f"site_index: expected a value in [0, {n_sites}), got {site_index}")
     image, label = (batch["image"], batch["label"]) if isinstance(batch, Mapping) else batch
 
+    net = cast(_LCFedNet, model)
     model.train()
     optimizer.zero_grad()
-    out = model.parts(image, site_index)
-    if model.pcs is not None:
+    out = net.parts(image, site_index)
+    if net.pcs is not None:
         l_sc = site_contrast(model, out, site_index, n_sites, cfg["contrast_on"])
     else:
         l_sc = torch.zeros((), device=image.device)
     calib = None
     if cfg["hc"]:
-        calib = model.calibrated_logits(out["feature"], head_map(model, out["feature"], other_heads, cfg))
+        calib = net.calibrated_logits(out["feature"], head_map(model, out["feature"], other_heads, cfg))
     loss = lcfed_loss(out["coarse"], calib, label, l_sc, lam=cfg["lam"], dice=loss_fn)
     if not torch.isfinite(loss):
         raise FloatingPointError(f"LC-Fed loss became {loss.item()}; lower train.lr")

@@ -51,8 +51,11 @@ def check_rule(rule: str, trim: float) -> None:
 
 
 def trim_count(k: int, trim: float) -> int:
-    """Values dropped at EACH end of a coordinate by ``trimmed_mean`` over ``k`` sites: ceil(trim * k), at
-    least one when trim > 0, and at most (k - 1) // 2 so that at least one value (two for even k) is kept."""
+    """Values dropped at EACH end of a coordinate by ``trimmed_mean`` over ``k`` sites.
+
+    The count is ceil(trim * k): at least one when trim > 0, and at most (k - 1) // 2 so that at least one
+    value (two for even k) is kept.
+    """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     return min(math.ceil(trim * k - 1e-9), (k - 1) // 2)
@@ -115,14 +118,19 @@ def aggregate(states: Sequence[State], weights: Sequence[float], keys: Sequence[
     return out
 
 
-def _median_of_others(values: Sequence[float], i: int) -> float | None:
+def _median_of_others(values: Sequence[float], i: int) -> float:
     others = [v for j, v in enumerate(values) if j != i]
-    return statistics.median(others) if others else None
+    if not others:  # callers pass two values or more
+        raise ValueError(f"the median of the values other than #{i} needs at least two values, got {len(values)}")
+    return statistics.median(others)
 
 
 def bounded_weights(weights: Sequence[float], ratio: float) -> list[float]:
-    """Each weight capped at ``ratio`` times the median of the OTHER weights; ``ratio`` 0 (or one weight):
-    unchanged. A weight within the bound is returned as given (an honest round is unchanged)."""
+    """Each weight capped at ``ratio`` times the median of the OTHER weights.
+
+    With ``ratio`` 0 (or a single weight) the weights are returned unchanged. A weight within the bound is
+    returned as given, so an honest round is unchanged.
+    """
     if ratio < 0:
         raise ValueError(f"ratio must be >= 0 (0 = no bound), got {ratio}")
     w = list(weights)
@@ -136,10 +144,13 @@ def bounded_weights(weights: Sequence[float], ratio: float) -> list[float]:
 
 
 def update_norms(answers: Mapping[str, State], sent: Mapping[str, State]) -> tuple[dict, dict]:
-    """Norms of each site's update: ``(whole, per_key)`` with ``whole[site]`` the L2 norm over every key and
-    ``per_key[key][site]`` each tensor's. The update of a key is the answer minus what the site was sent under
-    that key (same shape), else the answer itself (what the task did not send: statistics, gradients, ...).
-    Computed in float64 (a finite float32 of any size has a finite float64 square)."""
+    """Norms of each site's update: ``(whole, per_key)``.
+
+    ``whole[site]`` is the L2 norm over every key and ``per_key[key][site]`` each tensor's. The update of a key
+    is the answer minus what the site was sent under that key (same shape), else the answer itself (what the
+    task did not send: statistics, gradients, ...). Computed in float64 (a finite float32 of any size has a
+    finite float64 square).
+    """
     whole: dict[str, float] = {}
     per_key: dict[str, dict[str, float]] = {}
     for site, params in answers.items():
@@ -158,8 +169,11 @@ def update_norms(answers: Mapping[str, State], sent: Mapping[str, State]) -> tup
 
 
 def _judged(key: str, site: str, sent: Mapping[str, State], skip: Sequence[str]) -> bool:
-    """Whether ``key`` of ``site``'s update is bounded on its own: a tensor the site was sent (its update is a
-    difference), not under a ``skip`` prefix."""
+    """Whether ``key`` of ``site``'s update is bounded on its own.
+
+    It is when the site was sent that tensor (its update is a difference) and the key is not under a ``skip``
+    prefix.
+    """
     return key in sent.get(site, {}) and not key.startswith(tuple(skip))
 
 
@@ -170,10 +184,13 @@ TENSOR_FLOOR = 0.01
 
 def norm_outliers(answers: Mapping[str, State], sent: Mapping[str, State], ratio: float,
                   skip: Sequence[str] = ()) -> dict[str, str]:
-    """Sites whose update is beyond ``ratio`` times the median of the OTHER sites' (the whole update, and each
-    tensor the site was sent whose key is not under a ``skip`` prefix): ``{site: reason}``. ``ratio`` 0 or fewer than 2 answers: {}. Where the others' median is 0 (most
-    sites sent back what they were sent: no training, a frozen part) there is no scale to judge by and nothing
-    is left out for that norm; sites that train never send a zero update."""
+    """Sites whose update is beyond ``ratio`` times the median of the OTHER sites': ``{site: reason}``.
+
+    Judged are the whole update and each tensor the site was sent whose key is not under a ``skip`` prefix.
+    With ``ratio`` 0 or fewer than 2 answers the result is {}. Where the others' median is 0 (most sites sent
+    back what they were sent: no training, a frozen part) there is no scale to judge by and nothing is left out
+    for that norm; sites that train never send a zero update.
+    """
     if ratio < 0:
         raise ValueError(f"ratio must be >= 0 (0 = no bound), got {ratio}")
     if ratio == 0 or len(answers) < 2:
@@ -202,10 +219,13 @@ def norm_outliers(answers: Mapping[str, State], sent: Mapping[str, State], ratio
     return out
 
 
-def norm_ratios(answers: Mapping[str, State], sent: Mapping[str, State], skip: Sequence[str] = ()) -> tuple[float, float, str]:
-    """The largest ratio of a site's update norm to the median of the other sites' (whole update, any tensor
-    with a non-zero median) and that tensor's key: what ``norm_outliers`` compares with its bound, for a log
-    line that shows how far an honest round is from it."""
+def norm_ratios(answers: Mapping[str, State], sent: Mapping[str, State],
+                skip: Sequence[str] = ()) -> tuple[float, float, str]:
+    """The largest ratio of a site's update norm to the median of the other sites', and that tensor's key.
+
+    Ratios are taken for the whole update and for any tensor with a non-zero median: what ``norm_outliers``
+    compares with its bound, for a log line that shows how far an honest round is from it.
+    """
     whole, per_key = update_norms(answers, sent)
     sites = list(answers)
     worst_whole, worst_key, key_name = 0.0, 0.0, ""
@@ -223,10 +243,13 @@ def norm_ratios(answers: Mapping[str, State], sent: Mapping[str, State], skip: S
 
 def check_moments(moments: Mapping[str, torch.Tensor], sent: Mapping[str, torch.Tensor] | None,
                   max_steps: int) -> str | None:
-    """Why a site's selector Adam moments (flat: ``"<i>.exp_avg"``, ``"<i>.exp_avg_sq"``, ``"<i>.step"``)
-    cannot be averaged, or None: every ``exp_avg_sq`` >= 0 (its square root is taken), every ``step`` >= 1
-    (Adam's bias correction divides by 1 - beta^step) and at most the step the site was sent (0 if none)
-    plus ``max_steps`` (the steps this round can take). Finiteness is checked on arrival."""
+    """Why a site's selector Adam moments cannot be averaged, or None.
+
+    The moments are flat (``"<i>.exp_avg"``, ``"<i>.exp_avg_sq"``, ``"<i>.step"``). Every ``exp_avg_sq`` must
+    be >= 0 (its square root is taken), every ``step`` >= 1 (Adam's bias correction divides by
+    1 - beta^step) and at most the step the site was sent (0 if none) plus ``max_steps`` (the steps this round
+    can take). Finiteness is checked on arrival.
+    """
     for key, value in moments.items():
         if key.endswith(".exp_avg_sq") and (value < 0).any():
             return f"moment '{key}' has a negative entry ({float(value.min()):.3g}): exp_avg_sq must be >= 0"
@@ -240,8 +263,10 @@ def check_moments(moments: Mapping[str, torch.Tensor], sent: Mapping[str, torch.
 
 
 def first_nonfinite(obj, prefix: str = "", max_abs: float = MAX_ABS) -> str | None:
-    """The key (dotted path through nested dicts) of the first floating tensor or number that is NaN, Inf or
-    beyond ``max_abs`` in magnitude, with what is wrong; None if every value is fine."""
+    """What is wrong with the first floating tensor or number that is NaN, Inf or beyond ``max_abs``.
+
+    The message names its key (the dotted path through nested dicts); None if every value is fine.
+    """
     if torch.is_tensor(obj):
         if obj.is_floating_point() or obj.is_complex():
             if not torch.isfinite(obj).all():

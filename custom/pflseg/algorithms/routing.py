@@ -64,6 +64,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -107,6 +108,7 @@ class PaperRouter(nn.Module):
         nn.init.constant_(self.fc.bias, uniform_logit(n_experts))
 
     def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Pooled layer input (B, C) -> coefficients (B, E), each in (0, 1)."""
         return torch.sigmoid(self.fc(pooled))
 
 
@@ -122,6 +124,7 @@ class NormalisedRouter(nn.Module):
         nn.init.zeros_(self.fc.bias)
 
     def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Pooled layer input (B, C) -> coefficients (B, E), each row summing to 1."""
         r = torch.sigmoid(self.fc(pooled))
         return r / r.sum(dim=1, keepdim=True)
 
@@ -137,6 +140,7 @@ class RefcodeRouter(nn.Module):
                                  nn.Linear(2 * in_channels, n_experts))
 
     def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Pooled layer input (B, C) -> coefficients (B, E), each in (0, 1)."""
         return torch.sigmoid(self.net(pooled))
 
 
@@ -158,13 +162,17 @@ class CoefficientRouter(nn.Module):
         self.logits = nn.Parameter(torch.full((n_experts,), start))
 
     def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Coefficients (1, E), the same for every sample; ``pooled`` (B, C) is not read."""
         r = torch.sigmoid(self.logits)
         return (r / r.sum() if self.normalised else r)[None]
 
 
 def make_router(kind: str, in_channels: int, n_experts: int, normalised: bool = False) -> nn.Module:
-    """A new router of ``kind`` for one layer (``model`` here is a layer's own vector; build_routed_model
-    shares one instance across the layers). ``normalised`` applies to ``model`` and ``layer_global``."""
+    """A new router of ``kind`` for one layer.
+
+    ``model`` here is a layer's own vector; build_routed_model shares one instance across the layers.
+    ``normalised`` applies to ``model`` and ``layer_global``.
+    """
     if kind == "paper":
         return PaperRouter(in_channels, n_experts)
     if kind == "normalised":
@@ -197,22 +205,33 @@ class RoutedConv(nn.Module):
     Input (B, C_in, *spatial) -> output (B, C_out, *spatial_out), as the expert convolution would give.
     """
 
+    # buffers, (E, *expert weight shape) and (E, C_out) or None
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, experts: Sequence[nn.Module], router: str | nn.Module = "paper", normalised: bool = False):
         super().__init__()
         first = experts[0]
         if not isinstance(first, _CONV + _CONV_T):
             raise TypeError(f"experts: expected convolutions, got {type(first).__name__}")
+        weights, biases = [], []
         for e in experts:
-            if type(e) is not type(first) or e.weight.shape != first.weight.shape or (e.bias is None) != (first.bias is None):
+            # ``isinstance`` adds no condition (``first`` passed it); it tells the type checker what ``e`` is
+            if (not isinstance(e, _CONV + _CONV_T) or type(e) is not type(first)
+                    or e.weight.shape != first.weight.shape or (e.bias is None) != (first.bias is None)):
                 raise ValueError("experts: every expert layer must have the same type, kernel shape and bias")
+            weights.append(e.weight.detach())
+            if e.bias is not None:
+                biases.append(e.bias.detach())
         if first.padding_mode != "zeros":
             raise ValueError(f"RoutedConv supports padding_mode='zeros' only, got {first.padding_mode!r}")
         self.transposed = isinstance(first, _CONV_T)
         self.dims = first.weight.ndim - 2
-        self.stride, self.padding, self.dilation, self.groups = first.stride, first.padding, first.dilation, first.groups
+        self.stride, self.padding, self.dilation, self.groups = (first.stride, first.padding, first.dilation,
+                                                                 first.groups)
         self.output_padding = first.output_padding if self.transposed else None
-        self.register_buffer("weight", torch.stack([e.weight.detach() for e in experts]).clone())
-        self.register_buffer("bias", torch.stack([e.bias.detach() for e in experts]).clone() if first.bias is not None else None)
+        self.register_buffer("weight", torch.stack(weights).clone())
+        self.register_buffer("bias", torch.stack(biases).clone() if first.bias is not None else None)
         if isinstance(router, nn.Module):
             self.router_kind = "model" if isinstance(router, CoefficientRouter) else type(router).__name__
             self.router = router
@@ -222,6 +241,7 @@ class RoutedConv(nn.Module):
 
     @property
     def n_experts(self) -> int:
+        """E, the number of expert kernels mixed."""
         return self.weight.shape[0]
 
     def coefficients(self, x: torch.Tensor) -> torch.Tensor:
@@ -231,12 +251,16 @@ class RoutedConv(nn.Module):
 
     def _conv(self, x, w, b, groups):
         if self.transposed:
-            fn = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[self.dims - 1]
-            return fn(x, w, b, self.stride, self.padding, self.output_padding, groups, self.dilation)
-        fn = (F.conv1d, F.conv2d, F.conv3d)[self.dims - 1]
-        return fn(x, w, b, self.stride, self.padding, self.dilation, groups)
+            # a transposed convolution's padding is never a string and it always has an output padding
+            padding = cast(tuple[int, ...], self.padding)
+            output_padding = cast(tuple[int, ...], self.output_padding)
+            conv_t = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[self.dims - 1]
+            return conv_t(x, w, b, self.stride, padding, output_padding, groups, self.dilation)
+        conv = (F.conv1d, F.conv2d, F.conv3d)[self.dims - 1]
+        return conv(x, w, b, self.stride, self.padding, self.dilation, groups)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C_in, *spatial) -> (B, C_out, *spatial_out): each sample convolved with its coefficients' kernel."""
         r = self.coefficients(x)  # (B, E)
         if not getattr(self.router, "per_sample", True):  # one kernel for the whole batch: a plain convolution
             w = torch.einsum("e,e...->...", r[0], self.weight)
@@ -354,8 +378,11 @@ def routed_layer_names(model: nn.Module) -> list[str]:
 
 
 def relative_distances(experts: Sequence[nn.Module]) -> list[float]:
-    """||theta_e - theta_g|| / ||theta_g|| for every expert e, over the routed layers' weights and biases
-    (what routing mixes), theta_g the LAST expert's (w_g; its own distance is 0). In expert order."""
+    """||theta_e - theta_g|| / ||theta_g|| for every expert e, in expert order.
+
+    The norms are over the routed layers' weights and biases (what routing mixes); theta_g is the LAST
+    expert's (w_g; its own distance is 0).
+    """
     names = routed_layer_names(experts[-1])
 
     def flat(net):
@@ -389,11 +416,15 @@ def loss_weights(kind: str, beta: float = 0.01, batch_size: int | None = None) -
 
 
 def shape_loss(probs: torch.Tensor, radius: int = 2, reduction: str = "sum") -> torch.Tensor:
-    """Per sample: sum over classes of (local max - local min) over a (2r+1)^2 window, summed over pixels
-    (the paper's form, ``reduction="sum"``) or averaged (``"mean"``: the sum / (H x W)).
+    """Per sample: sum over classes of (local max - local min) over a (2r+1)^2 window, pooled over pixels.
+
+    The pixels are summed (the paper's form, ``reduction="sum"``) or averaged (``"mean"``: the sum / (H x W)).
 
     Args:
         probs: (B, C, H, W) probabilities.
+        radius: r >= 1, the window's half side.
+        reduction: ``sum`` (the paper's) or ``mean`` over the pixels.
+
     Returns:
         (B,) losses; 0 for a constant map.
     """
@@ -440,6 +471,7 @@ def unsupervised_loss(model: nn.Module, images: torch.Tensor, weights: dict, noi
         noise_std: sigma of the Gaussian noise of the consistency term.
         rot_flip: also apply a random rot90/flip to the noisy input, undone on its output (2D only).
         radius: window radius d of the shape term.
+
     Returns:
         (loss (B,), probs (B, C, H, W)).
     """
@@ -470,7 +502,8 @@ class BestPredictions:
     def update(self, keys: Sequence, losses: torch.Tensor, preds: torch.Tensor) -> None:
         """keys: B hashable sample ids; losses (B,); preds (B, ...) (stored detached on the CPU)."""
         if len(keys) != losses.shape[0] or len(keys) != preds.shape[0]:
-            raise ValueError(f"keys ({len(keys)}), losses {tuple(losses.shape)} and preds {tuple(preds.shape)} disagree")
+            raise ValueError(f"keys ({len(keys)}), losses {tuple(losses.shape)} and preds {tuple(preds.shape)} "
+                             "disagree")
         for key, loss, pred in zip(keys, losses.detach().cpu().tolist(), preds.detach().cpu()):
             if math.isfinite(loss) and (key not in self.loss or loss < self.loss[key]):
                 self.loss[key], self.pred[key] = loss, pred.clone()

@@ -29,7 +29,7 @@ import re
 from pathlib import Path
 
 from pflseg.data.check import empty_split
-from pflseg.data.datalist import claim_out, split_cases, suggested_train_size, write_dataset_json, write_datalist
+from pflseg.data.datalist import claim_out, split_cases, suggested_train_size, write_datalist, write_dataset_json
 from pflseg.data.errors import DataError, Problem, problems_error, shape_mismatch, unreadable
 from pflseg.data.files import file_stem, image_header, is_image_file, is_nifti, read_array
 from pflseg.data.masks import MaskValues, SiteEncoding, site_encoding
@@ -136,7 +136,8 @@ def index_report(
     splits = {site: _assign_splits(site, records, seed, val_fraction, test_fraction) for site, records in sites.items()}
     for site, entries in splits.items():  # a training site needs every split; an outside site only its images
         if any("label" in r for r in sites[site]):
-            notes[site] += [f"warning: {empty_split(site, root / site, split, len({r['case'] for r in sites[site]})).problem}"
+            notes[site] += ["warning: "
+                            f"{empty_split(site, root / site, split, len({r['case'] for r in sites[site]})).problem}"
                             " - it cannot train or pick its best model (it can be an outside site); give it at "
                             "least 3 cases" for split in ("validation", "testing") if not entries.get(split)]
     claim_out(out, name=meta["name"], layout=layout, writes=list(sites))

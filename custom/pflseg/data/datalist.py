@@ -174,7 +174,8 @@ def claim_out(out: str | Path, *, name: str, layout: str, writes: list[str]) -> 
         if not isinstance(info, dict):
             raise DataError(f"{info_path}: not a data root's dataset.json; not overwritten. Fix: {fix}")
         if info.get("name") != name or info.get("layout") != layout:
-            raise DataError(f"{out}: holds another data root (name {info.get('name')!r}, layout {info.get('layout')!r}); "
+            raise DataError(f"{out}: holds another data root (name {info.get('name')!r}, layout "
+                            f"{info.get('layout')!r}); "
                             f"writing name {name!r}, layout {layout!r} there would overwrite it. Fix: {fix}")
         return
     others = sorted(p.name for p in out.iterdir() if not (p.is_dir() and p.name in writes))

@@ -150,7 +150,8 @@ class SliceDataset(torch.utils.data.Dataset):
             role: LoadImage(reader=[NibabelReader(), PILReader(converter=convert, reverse_indexing=False)],
                             image_only=True, dtype=np.float32)
             for role, convert in (("image", convert_image), ("label", convert_mask))
-        }
+        }  # NIfTI: nibabel only (a reader list is tried last-first: PIL would fail on, and log, every volume)
+        self._load_nifti = LoadImage(reader=NibabelReader(), image_only=True, dtype=np.float32)
         self._label_map = LabelMapd("label", self.n_classes)
         self._slice_tf = {  # area averaging when shrinking (no aliasing, no border fall-off), else bilinear
             shrink: Compose([
@@ -209,7 +210,7 @@ class SliceDataset(torch.utils.data.Dataset):
     def _read(self, path: Path, role: str = "image") -> np.ndarray:
         """Loads an image (role "image") or mask ("label") as (C, H, W, D) float32 (see the module docstring)."""
         try:
-            data = np.asarray(self._load[role](str(path)))
+            data = np.asarray((self._load_nifti if is_nifti(path) else self._load[role])(str(path)))
         except Exception as err:  # noqa: BLE001
             raise unreadable(self.site, path, err.__cause__ or err).error() from err
         if is_nifti(path):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pflseg.data.errors import DataError, Problem, bad_label_values
+from pflseg.data.errors import Problem, bad_label_values
 
 
 def label_problem(

@@ -126,7 +126,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pflseg.data.datalist import claim_out, split_cases, write_dataset_json, write_datalist
+from pflseg.data.datalist import claim_out, split_cases, write_datalist, write_dataset_json
 
 TASKS = ("prostate", "fundus")
 FOV_MM = 160.0

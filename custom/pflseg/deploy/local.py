@@ -73,7 +73,8 @@ class LocalFederation:
         """Provision on loopback (fresh kits, free port). ``site_config``: written as every site's
         ``local/pflseg_site.json`` (what ``pflseg site init`` writes)."""
         if self.running():
-            raise RuntimeError(f"a federation from {self.workspace} is still running; stop it first (pflseg deploy stop)")
+            raise RuntimeError(f"a federation from {self.workspace} is still running; stop it first (pflseg deploy "
+                               "stop)")
         self._provision()
         for site in self.sites():
             cfg = {"threads": max(1, (os.cpu_count() or 1) // len(self.sites())), **(site_config or {})}

@@ -14,9 +14,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from pflseg.flare.allowlist import add_to_resources
 from pflseg.deploy.local import LocalFederation
 from pflseg.deploy.provision import free_port, loopback_env, protect_ca_state
+from pflseg.flare.allowlist import add_to_resources
 
 
 class PocFederation(LocalFederation):
@@ -43,19 +43,22 @@ class PocFederation(LocalFederation):
         cmd = ["nvflare", "poc", "prepare", *sites, "--force"]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0 or not self.kits.is_dir():
-            raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): {proc.stdout[-1500:]}{proc.stderr[-1500:]}")
+            raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): "
+                               f"{proc.stdout[-1500:]}{proc.stderr[-1500:]}")
         for cert in (self.workspace / "poc").rglob("cert.json"):  # FLARE writes every private key into it, 0644
             protect_ca_state(cert.parent)
         shutil.copy(self.workspace / "poc" / "project.yml", self.workspace / "project.yml")
         port = free_port()
         server = self._server()
         _edit(self.kit(server) / "startup" / "fed_server.json",
-              lambda c: [s.update(admin_port=port, service={**s["service"], "target": f"localhost:{port}"}) for s in c["servers"]])
+              lambda c: [s.update(admin_port=port, service={**s["service"], "target": f"localhost:{port}"})
+                         for s in c["servers"]])
         for site in self.sites():
             _edit(self.kit(site) / "startup" / "fed_client.json",
                   lambda c: [s["service"].update(target=f"localhost:{port}") for s in c["servers"]])
         for name in self.admins():
-            _edit(self.kit(name) / "startup" / "fed_admin.json", lambda c: c["admin"].update(host="localhost", port=port))
+            _edit(self.kit(name) / "startup" / "fed_admin.json",
+                  lambda c: c["admin"].update(host="localhost", port=port))
         for name in [server, *self.sites()]:  # POC writes resources.json too, and it wins over the .default
             for res in ("resources.json", "resources.json.default"):
                 if (self.kit(name) / "local" / res).is_file():

@@ -206,7 +206,8 @@ def provision_loopback(workspace: str | Path, project_yml: str | Path = REPO_PRO
     proc = subprocess.run(cmd, env=loopback_env(workspace), capture_output=True, text=True)
     kits = workspace / "provision" / project["name"] / "prod_00"
     if proc.returncode != 0 or not kits.is_dir():
-        raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): {proc.stdout[-1500:]}{proc.stderr[-1500:]}")
+        raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): "
+                           f"{proc.stdout[-1500:]}{proc.stderr[-1500:]}")
     protect_ca_state(kits.parent / "state")  # also for a project.yml without PflsegBuilder
     return kits
 

@@ -38,16 +38,26 @@ from torch.utils.data import ConcatDataset
 from pflseg.config import load_job_config
 from pflseg.data import DataError, load_dataset_info, make_synthetic, site_dataset
 from pflseg.deploy.data_sites import flare_names, site_view
-from pflseg.deploy.simulator import (judge, move_aside, read_record, run_record, run_simulator, server_state,
-                                     workspace_lock)
-from pflseg.eval.progress import RunProgress
+from pflseg.deploy.simulator import (
+    judge,
+    move_aside,
+    read_record,
+    run_record,
+    run_simulator,
+    server_state,
+    workspace_lock,
+)
 from pflseg.eval.markdown import diff_cell, markdown_table
+from pflseg.eval.plots import reported_val_dice
+from pflseg.eval.progress import RunProgress
 from pflseg.flare.jobs import export_job
 from pflseg.flare.methods import METHODS
 from pflseg.flare.privacy import SALT_FILE
 from pflseg.flare.state import RoundStore, unprefixed
+from pflseg.infer.routing import LABELS as ROUTING_LABELS
 from pflseg.nets import build_net
 from pflseg.train import evaluate
+
 
 def inside_columns() -> dict[str, tuple]:
     """Bench method -> the inside table's columns (label, job, key of the site's test metrics, backbone), from the
@@ -83,11 +93,12 @@ TREATMENTS = {"running": "running statistics (as trained)", "batch": "test-batch
 OUTSIDE_REFERENCE = ("FedAvg", "FedAvg (IOP-FL run)")
 #: the primary outside comparison, declared before any run: IOP-FL routing against each of these under test-batch
 #: statistics; the paper's claim holds only when every interval lies above 0
-PRIMARY = ("IOP-FL routing", ("FedAvg", "Average", "Tent (online)"), "batch")
+PRIMARY = (ROUTING_LABELS["routing"], ("FedAvg", "Average", "Tent (online)"), "batch")
 
 
 def _stats(values: list[float]) -> dict:
-    return {"mean": statistics.mean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0, "n": len(values)}
+    return {"mean": statistics.mean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "n": len(values)}
 
 
 def paired_difference(values: dict[str, list[float]], reference: dict[str, list[float]]) -> dict | None:
@@ -159,7 +170,8 @@ class Bench:
         else:
             self.inside = list(self.sites)
         if bad or len(self.inside) - any(h in self.inside for h in self.holdout) < 2:
-            raise ValueError(f"--holdout {self.holdout}: need sites of the data ({self.sites}) and 2 sites left to train")
+            raise ValueError(f"--holdout {self.holdout}: need sites of the data ({self.sites}) and 2 sites left to "
+                             "train")
         self.outside = outside and any(m in self.outside_cols for m in self.methods)
         self.overrides, self.threads, self.progress = dict(overrides or {}), threads, progress
         self.per_job, self.salts = dict(per_job or {}), salts
@@ -308,7 +320,8 @@ class Bench:
                 col = table.setdefault(label, {})
                 for seed in self.seeds:
                     res, names = self.results(seed, "inside", job), self.names(seed, "inside", job)
-                    values = res["test_at_gamma"] if key == "super" else {s: t[key]["dice"] for s, t in res["test"].items()}
+                    values = res["test_at_gamma"] if key == "super" else {s: t[key]["dice"]
+                                                                          for s, t in res["test"].items()}
                     for sim_site, dice in values.items():
                         if names[sim_site] in self.inside:
                             col.setdefault(names[sim_site], []).append(dice)
@@ -351,7 +364,8 @@ class Bench:
                 return res["test_at_gamma"][sim_h], None
             return res["infer"][sim_h]["super"]["extra"]["dice"], None
         route = res["route"][sim_h]
-        return route["methods"][source[len("route:"):]]["dice"], {"cases": route["n_cases"], "images": route["n_images"]}
+        return route["methods"][source[len("route:"):]]["dice"], {"cases": route["n_cases"],
+                                                                  "images": route["n_images"]}
 
     def global_dice_at(self, seed: int, fold: str, job: str, h: str) -> dict:
         """Scores of ``job``'s final best global model on every labelled image of the held-out site ``h``."""
@@ -383,12 +397,10 @@ class Bench:
 
     def curve(self, seed: int, job: str, key: str) -> list[float]:
         """Mean validation Dice per round (over the sites) of one inside run's reported model: the site's
-        personalized model (``val_dice_person``, where the method tracks one) for ``key`` "site", else the global."""
+        personalized model for ``key`` "site" (``pflseg.eval.plots.reported_val_dice``), else the global."""
         curve = []
         for h in self.results(seed, "inside", job)["history"]:
-            person = {s: v["val_dice_person"] for s, v in (h.get("site_metrics") or {}).items()
-                      if isinstance(v, dict) and "val_dice_person" in v}
-            values = person if key == "site" and person else h.get("val_dice")
+            values = reported_val_dice(h, key)
             if values:
                 curve.append(statistics.mean(values.values()))
         return curve
@@ -448,19 +460,26 @@ class Bench:
         for name in ("inside", "outside"):
             with open(self.ws / f"bench_{name}.csv", "w", newline="") as f:
                 w = csv.writer(f)
-                w.writerow(["site", "method", "dice_mean", "dice_std", "n_seeds", "diff_vs_fedavg", "ci95_lo", "ci95_hi",
+                w.writerow(["site", "method", "dice_mean", "dice_std", "n_seeds", "diff_vs_fedavg", "ci95_lo",
+                            "ci95_hi",
                             "n_pairs"])
                 for label, col in report[name].items():
                     d = report[f"{name}_vs_fedavg"].get(label)
                     for site, st in [*col.items(), ("mean", report[f"{name}_mean"].get(label))]:
                         if st:
-                            diff = [f"{d[k]:.4f}" for k in ("mean", "lo", "hi")] + [d["n"]] if d and site == "mean" else [""] * 4
-                            w.writerow([site, label, f"{st['mean']:.4f}", f"{st['std']:.4f}", st["n"], *diff])
+                            diff = [f"{d[k]:.4f}"
+                                    for k in ("mean", "lo", "hi")] + [d["n"]] if d and site == "mean" else [""] * 4
+                            w.writerow([site, label, f"{st['mean']:.4f}", _csv_std(st), st["n"], *diff])
         (self.ws / "bench.md").write_text(to_markdown(report) + "\n")
         try:
             plot(report, self.ws)
         except ImportError:
             self.progress("matplotlib is not installed: no PNG plots (pip install -e '.[plots]')")
+
+
+def _csv_std(st: dict) -> str:
+    """The CSV's std over seeds; empty with one seed (a std of one value is no spread, not 0.0000)."""
+    return f"{st['std']:.4f}" if st["n"] > 1 else ""
 
 
 def _cell(st: dict | None) -> str:
@@ -487,7 +506,8 @@ def to_markdown(report: dict) -> str:
     seeds = report["seeds"]
     n_pairs = "seeds x sites"
     parts = [f"Inside: test Dice per site after {report['rounds']} rounds, mean ± std over seeds {seeds}; the mean "
-             f"column is each seed's mean over the sites, mean ± std over seeds; Δ is the mean paired difference with the "
+             "column is each seed's mean over the sites, mean ± std over seeds; Δ is the mean paired difference with "
+             "the "
              f"FedAvg of the same backbone over {n_pairs} with its 95 % t-interval (**+** / **−**: the interval "
              f"excludes 0). Header: the test cases and images each cell rests on (per seed)."]
     backbone = report.get("inside_backbone", {})
@@ -499,14 +519,16 @@ def to_markdown(report: dict) -> str:
                                  labels, report["inside_sites"], report.get("inside_cases", {}),
                                  lambda l, r=REFERENCE[bb]: "" if l == r else r)
     if report.get("outside"):
-        parts += ["", f"Outside (held-out sites, never trained on): Dice over every labelled image, mean ± std over seeds "
+        parts += ["",
+                  f"Outside (held-out sites, never trained on): Dice over every labelled image, mean ± std over seeds "
                       f"{seeds}; Δ against FedAvg under the same normalisation treatment."]
         diffs = report.get("outside_vs_fedavg", {})
         for treatment, title in report.get("treatments", TREATMENTS).items():
             labels = [k for k in report["outside"] if k.endswith(f" [{treatment}]")]
             if labels:
                 parts += ["", f"**Normalisation: {title}**", ""]
-                parts += _rows_table(report["outside"], report.get("outside_mean", {}), diffs, labels, report["holdout"],
+                parts += _rows_table(report["outside"], report.get("outside_mean", {}), diffs, labels,
+                                     report["holdout"],
                                      report.get("outside_cases", {}),
                                      lambda k: diffs.get(k, {}).get("reference", "").rsplit(" [", 1)[0],
                                      lambda k: k.rsplit(" [", 1)[0])
@@ -553,7 +575,8 @@ def plot(report: dict, out: Path) -> None:
         ax.set_yticks(list(ys), labels, fontsize=7)
         ax.invert_yaxis()
         ax.set_xlabel("paired Dice difference vs FedAvg (95 % CI over seeds x sites)")
-        ax.set_title(f"{name.capitalize()}: Δ Dice vs FedAvg (same {'backbone' if name == 'inside' else 'BN treatment'})",
+        ax.set_title(f"{name.capitalize()}: Δ Dice vs FedAvg (same "
+                     f"{'backbone' if name == 'inside' else 'BN treatment'})",
                      fontsize=10)
         fig.tight_layout()
         fig.savefig(out / f"bench_{name}.png", dpi=120)
@@ -561,7 +584,8 @@ def plot(report: dict, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.5))
     colors = plt.get_cmap("tab20").colors
     for i, (label, curve) in enumerate(report["curves"].items()):  # 20 colours, and a line style per 4: no two alike
-        ax.plot(range(1, len(curve) + 1), curve, label=label, color=colors[i % 20], linestyle=("-", "--", ":", "-.")[i % 4])
+        ax.plot(range(1, len(curve) + 1), curve, label=label, color=colors[i % 20],
+                linestyle=("-", "--", ":", "-.")[i % 4])
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
     ax.set_ylabel("mean validation Dice of the reported model")

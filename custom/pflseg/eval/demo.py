@@ -33,8 +33,8 @@ from pathlib import Path
 
 from pflseg.deploy.simulator import run_side_by_side, workspace_lock
 from pflseg.eval.bench import PRIMARY, Bench, paired_difference
-from pflseg.eval.plots import PLOTS_HINT, have_matplotlib, overlay_paths, plot_lines, write_results
 from pflseg.eval.markdown import diff_cell, markdown_table
+from pflseg.eval.plots import PLOTS_HINT, have_matplotlib, overlay_paths, plot_lines, write_results
 from pflseg.flare.methods import METHODS
 
 PRESET = "demo"
@@ -51,7 +51,8 @@ JOBS = tuple(dict.fromkeys([job for _, job, *_ in INSIDE + OUTSIDE if job not in
 #: the same for every job: lr 0.003 with Dice + cross-entropy and 3 local epochs make the U-Net segment within
 #: a few rounds; per-case Dice (pseudonymised) leaves the sites so that differences can be paired by case
 SETTINGS = {"train": {"lr": 0.003, "loss": "dice_ce", "epochs": 3},
-            "iopfl": {"epochs": 3, "comparators": ["global", "average", "ensemble", "global_bn", "average_bn", "ensemble_bn", "tent"]},
+            "iopfl": {"epochs": 3, "comparators": ["global", "average", "ensemble", "global_bn", "average_bn",
+                                                   "ensemble_bn", "tent"]},
             "privacy": {"per_case": True}}
 #: LC-Fed's five-stage backbone, narrowed (its calibration applies every site's head: the demo's slowest job): the net
 #: of every job of a row on that backbone
@@ -94,7 +95,8 @@ class Demo:
                 write_results(res, self.bench.run_dir(0, "inside", name))
                 left = len(JOBS) - len(took)
                 eta = f"; about {statistics.mean(took) * left / 2 / 60:.0f} min left" if left else ""
-                self.progress(f"[{len(took)}/{len(JOBS)}] {name} finished in {took[-1]:.0f} s ({time.time() - t0:.0f} s "
+                self.progress(f"[{len(took)}/{len(JOBS)}] {name} finished in {took[-1]:.0f} s ({time.time() - t0:.0f} "
+                              "s "
                               f"since the first){eta}")
                 return res
             return go
@@ -111,7 +113,8 @@ class Demo:
             if "route" in res:  # the routing job: one entry per routing method
                 entry = res["route"][sim]["methods"][key]
             elif key == "super":  # at the gamma chosen on the inside sites' validation
-                entry = res["infer"][sim]["super"][str(float(res.get("gamma_selected", res["config"]["fedsm"]["gamma"])))]
+                entry = res["infer"][sim]["super"][str(float(res.get("gamma_selected",
+                                                                     res["config"]["fedsm"]["gamma"])))]
             else:
                 entry = res["test"][sim][key]
             if "per_case" not in entry:
@@ -150,7 +153,8 @@ class Demo:
 
     def plateau(self, results: dict) -> dict:
         """FedAvg's (the reference run's global model's) mean validation Dice per round."""
-        curve = [statistics.mean(h["val_dice"].values()) for h in results[REFERENCE_JOB]["history"] if h.get("val_dice")]
+        curve = [statistics.mean(h["val_dice"].values()) for h in results[REFERENCE_JOB]["history"]
+                 if h.get("val_dice")]
         tail = curve[-4:]
         return {"curve": curve, "last": tail, "range_last": max(tail) - min(tail) if tail else None}
 
@@ -165,7 +169,8 @@ def summarise(rows: dict[str, dict[str, float]], sites: list[str]) -> dict:
         entry = {"sites": {s: statistics.mean(v) for s, v in by_site.items() if v},
                  "mean": statistics.mean(values.values()) if values else None}
         if label != "FedAvg":
-            entry["vs_fedavg"] = paired_difference({k: [v] for k, v in values.items()}, {k: [v] for k, v in ref.items()})
+            entry["vs_fedavg"] = paired_difference({k: [v] for k, v in values.items()},
+                                                   {k: [v] for k, v in ref.items()})
             entry["per_site"] = {s: paired_difference({k: [v] for k, v in values.items() if k.startswith(s + "/")},
                                                       {k: [v] for k, v in ref.items()}) for s in sites}
         out[label] = entry
@@ -175,7 +180,8 @@ def summarise(rows: dict[str, dict[str, float]], sites: list[str]) -> dict:
 def markdown(table: dict, sites: list[str], counts: dict, images: dict, note=lambda label: "") -> str:
     head = ["method", *[f"{s} ({counts.get(s, '?')} cases, {images.get(s, '?')} img)" for s in sites], "mean",
             "Δ vs FedAvg [95 % CI over (site, case) pairs]"]
-    return markdown_table(head, [[f"{label}{note(label)}", *(f"{e['sites'][s]:.3f}" if s in e["sites"] else "-" for s in sites),
+    return markdown_table(head, [[f"{label}{note(label)}",
+                                  *(f"{e['sites'][s]:.3f}" if s in e["sites"] else "-" for s in sites),
                                   f"**{e['mean']:.3f}**", diff_cell(e.get("vs_fedavg"))] for label, e in table.items()])
 
 
@@ -196,7 +202,8 @@ def sentences(table: dict, where: str) -> list[str]:
         out.append(f"{where}, not resolved by this run (interval includes 0), so no claim either way: "
                    f"{', '.join(groups['tie'])}.")
     wins = [f"{label} at {', '.join(s for s, d in e['per_site'].items() if d and d['verdict'] == 'better')}"
-            for label, e in table.items() if any(d and d["verdict"] == "better" for d in e.get("per_site", {}).values())]
+            for label, e in table.items()
+            if any(d and d["verdict"] == "better" for d in e.get("per_site", {}).values())]
     if wins and len(table[next(iter(table))]["sites"]) > 1:
         out.append("Site by site (interval over that site's cases above 0): " + "; ".join(wins) + ".")
     return out

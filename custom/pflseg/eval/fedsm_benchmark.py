@@ -19,11 +19,11 @@ import torch
 
 from pflseg.config import load_job_config
 from pflseg.data import make_synthetic
-from pflseg.flare.controllers.fedsm import moment_reference
-from pflseg.flare.jobs import export_job
 from pflseg.deploy.simulator import run_simulator, server_state
 from pflseg.eval.markdown import markdown_table
 from pflseg.eval.progress import RunProgress
+from pflseg.flare.controllers.fedsm import moment_reference
+from pflseg.flare.jobs import export_job
 from pflseg.nets import build_net
 from pflseg.nets.selector import build_selector, selector_cfg
 
@@ -65,7 +65,8 @@ def run(workspace: str | Path, rounds: int = 20, seeds=(0, 1), progress=print) -
             out[name] = run_simulator(job, ws / f"seed{seed}" / name, n_sites=3, data=data, progress=progress)
             steps.done()
         bundle = server_state(ws / f"seed{seed}" / "fedsm", "fedsm")
-        job = export_job("fedsm_infer", ws / f"seed{seed}" / "jobs", overrides={"fedsm": {"bundle": str(bundle)}, "seed": seed})
+        job = export_job("fedsm_infer", ws / f"seed{seed}" / "jobs",
+                         overrides={"fedsm": {"bundle": str(bundle)}, "seed": seed})
         steps.start(f"seed {seed}: fedsm_infer")
         out["infer"] = run_simulator(job, ws / f"seed{seed}" / "infer", n_sites=4, data=data, progress=progress)
         steps.done()
@@ -98,8 +99,10 @@ def to_markdown(report: dict, gamma: str = "0.9") -> str:
     lines = [markdown_table(["seed", "site", "FedAvg global", "FedSM personalized", f"FedSM super (gamma {gamma})",
                              "super gamma 0", f"selection at gamma {gamma} (global, p1..pK)"], rows)]
     for name, b in report["bytes"].items():
-        lines.append(f"\n- payload per site per round, each way, {name} selector: {b['per_round_each_way'] / 2**20:.2f} MiB "
-                     f"(segmentation models {2 * b['segmentation_model'] / 2**20:.2f}, selector {b['selector'] / 2**20:.2f}, "
+        lines.append(f"\n- payload per site per round, each way, {name} selector: "
+                     f"{b['per_round_each_way'] / 2**20:.2f} MiB "
+                     f"(segmentation models {2 * b['segmentation_model'] / 2**20:.2f}, selector "
+                     f"{b['selector'] / 2**20:.2f}, "
                      f"moments {b['moments'] / 2**20:.2f})")
     t3 = statistics.mean(r["timing_3_sites"]["round_seconds"] for r in report["seeds"].values())
     m3 = max(r["timing_3_sites"]["peak_rss_gib"] for r in report["seeds"].values())

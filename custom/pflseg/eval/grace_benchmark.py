@@ -58,7 +58,8 @@ def run(n_sites: int = 6, repeats: int = 5) -> dict:
     times = {"fedavg": _median_seconds(lambda: weighted_average(states, weights), repeats)}
     for mode in ("total", "split", "reweight"):
         times[f"grace_{mode}"] = _median_seconds(
-            lambda m=mode: grace_step(g, states, weights, mode=m, trainable_keys=trainable, buffer_keys=buffers), repeats)
+            lambda m=mode: grace_step(g, states, weights, mode=m, trainable_keys=trainable, buffer_keys=buffers),
+            repeats)
     times["similarity_gram"] = _median_seconds(lambda: similarity(vectors, mode="total"), repeats)
     times["similarity_naive"] = _median_seconds(lambda: naive_cosine(vectors), repeats)
     gap = (similarity(vectors, mode="total") - naive_cosine(vectors)).abs().max().item()
@@ -70,7 +71,8 @@ def to_markdown(report: dict) -> str:
     t = report["seconds"]
     lines = [f"K = {report['sites']} sites, UNet of {report['parameters'] / 1e6:.2f} M parameters, "
              f"{report['threads']} torch threads (median seconds)", "",
-             markdown_table(["step", "seconds", "/ FedAvg"], [[n, f"{sec:.4f}", f"{sec / t['fedavg']:.2f}"] for n, sec in t.items()])]
+             markdown_table(["step", "seconds", "/ FedAvg"],
+                            [[n, f"{sec:.4f}", f"{sec / t['fedavg']:.2f}"] for n, sec in t.items()])]
     lines.append(f"\nGram vs naive similarity: max |difference| {report['max_abs_difference_gram_vs_naive']:.2e}, "
                  f"naive / Gram time {t['similarity_naive'] / t['similarity_gram']:.2f}")
     return "\n".join(lines)

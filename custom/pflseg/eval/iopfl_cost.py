@@ -5,8 +5,9 @@
 For each image size, measured side by side in one process on the same random batch: one forward pass
 of the project's UNet (eval, no gradient), one forward pass of the routed model (K + 1 experts,
 per-sample routers, one grouped convolution per layer) and one routing step (the unsupervised loss:
-two forward passes, backward, Adam), interleaved, each the minimum over ``--repeats`` rounds. Routing an image costs ``epochs`` steps (default 10): the report
-gives seconds per sample and the ratio to the single UNet's forward pass.
+two forward passes, backward, Adam), interleaved, each the minimum over ``--repeats`` rounds. Routing an image
+costs ``epochs`` steps (default 10): the report gives seconds per sample and the ratio to the single UNet's forward
+pass.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def _time(fns: dict, repeats: int) -> dict:
     return best
 
 
-def measure(size: int, n_experts: int = 5, batch: int = 8, epochs: int = 10, repeats: int = 3, net_cfg: dict | None = None) -> dict:
+def measure(size: int, n_experts: int = 5, batch: int = 8, epochs: int = 10, repeats: int = 3,
+            net_cfg: dict | None = None) -> dict:
     torch.manual_seed(0)
     cfg = net_cfg or {"channels": [16, 32, 64, 128], "strides": [2, 2, 2], "num_res_units": 1, "norm": "batch"}
     experts = [build_net(cfg) for _ in range(n_experts)]
@@ -67,9 +69,12 @@ def measure(size: int, n_experts: int = 5, batch: int = 8, epochs: int = 10, rep
 
 
 def to_markdown(rows: list[dict]) -> str:
-    head = ["size", "UNet forward s/sample", "routed forward s/sample", "routing step s/sample", "routing s/image (E epochs)",
+    head = ["size", "UNet forward s/sample", "routed forward s/sample", "routing step s/sample",
+            "routing s/image (E epochs)",
             "routed fwd / UNet", "step / UNet", "routing / UNet"]
-    return markdown_table(head, [[r["size"], f"{r['unet_forward_s_per_sample']:.4f}", f"{r['routed_forward_s_per_sample']:.4f}",
-                                  f"{r['routing_step_s_per_sample']:.4f}", f"{r['routing_s_per_image']:.3f} (E={r['epochs']})",
+    return markdown_table(head, [[r["size"], f"{r['unet_forward_s_per_sample']:.4f}",
+                                  f"{r['routed_forward_s_per_sample']:.4f}",
+                                  f"{r['routing_step_s_per_sample']:.4f}",
+                                  f"{r['routing_s_per_image']:.3f} (E={r['epochs']})",
                                   f"{r['ratio_routed_forward_to_unet']:.1f}", f"{r['ratio_step_to_unet']:.1f}",
                                   f"{r['ratio_routing_to_unet']:.0f}"] for r in rows])

@@ -10,9 +10,11 @@ without it the tables are still written and the runner says how to get the plots
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
-from pflseg.eval.tables import METRIC_COLUMNS, infer_table, route_table, metric_rows, metric_table
+from pflseg.eval.tables import METRIC_COLUMNS, infer_table, metric_rows, metric_table, route_table
+from pflseg.flare.controllers.cross_site import matrix_markdown
 
 PLOTS_HINT = 'no plots: matplotlib is not installed (pip install -e ".[plots]")'
 
@@ -34,21 +36,46 @@ def _pyplot():
     return plt
 
 
+#: a site's round metrics that score its personalized model, first found wins: the personalized model tracked
+#: beside the global one (FedSM, IOP-FL), else the site's model after its local training (Local, FedBN, GRACE, LC-Fed)
+PERSONAL_KEYS = ("val_dice_person", "val_dice_local")
+
+
+def reported_key(results: dict) -> str:
+    """The model a run's tables report per site: "site" (its personalized model) or "global" (``Method.site``)."""
+    from pflseg.flare.methods import METHODS
+
+    entry = METHODS.get(results.get("method", ""))
+    return "site" if entry is not None and entry.site.personalized else "global"
+
+
+def reported_val_dice(h: dict, key: str) -> dict[str, float]:
+    """``{site: validation Dice}`` of one ``history`` round for the model of ``key``: "site": each site's personalized
+    model (``PERSONAL_KEYS``), where the method scores one; else the global model (``val_dice``)."""
+    if key == "site":
+        for name in PERSONAL_KEYS:
+            person = {s: float(v[name]) for s, v in (h.get("site_metrics") or {}).items()
+                      if isinstance(v, dict) and isinstance(v.get(name), (int, float))}
+            if person:
+                return person
+    return {s: float(d) for s, d in (h.get("val_dice") or {}).items() if d is not None}
+
+
 def val_curves(results: dict) -> dict[str, list[tuple[int, float]]]:
-    """``{site: [(round, validation Dice)]}`` from ``results["history"]`` (rounds counted from 1)."""
-    curves: dict[str, list[tuple[int, float]]] = {}
+    """``{site: [(round, validation Dice)]}`` of the model the run reports (``reported_key``) from
+    ``results["history"]`` (rounds counted from 1)."""
+    key, curves = reported_key(results), {}
     for h in results.get("history", []):
-        for site, dice in sorted((h.get("val_dice") or {}).items()):
-            if dice is not None:
-                curves.setdefault(site, []).append((int(h["round"]) + 1, float(dice)))
+        for site, dice in sorted(reported_val_dice(h, key).items()):
+            curves.setdefault(site, []).append((int(h["round"]) + 1, dice))
     return curves
 
 
 def mean_curve(results: dict) -> list[tuple[int, float]]:
-    """Validation Dice per round averaged over the sites that reported it."""
-    out = []
+    """Validation Dice per round of the reported model, averaged over the sites that reported it."""
+    key, out = reported_key(results), []
     for h in results.get("history", []):
-        values = [d for d in (h.get("val_dice") or {}).values() if d is not None]
+        values = list(reported_val_dice(h, key).values())
         if values:
             out.append((int(h["round"]) + 1, sum(values) / len(values)))
     return out
@@ -103,6 +130,11 @@ def write_results(results: dict, workspace: str | Path) -> list[str]:
         written.append(out / f"{job}.md")
         for folder in sorted((workspace / "state").glob(f"*/{job}/predictions")):
             lines.append(f"predictions at {folder.parent.parent.name}: {folder}")
+    if "cross_site" in results:  # the cross-site matrix: FLARE's cross_val_results.json and its table
+        xs = results["cross_site"]
+        (out / "cross_val_results.json").write_text(json.dumps(xs["matrix"], indent=2, sort_keys=True) + "\n")
+        (out / f"{job}.md").write_text(matrix_markdown(xs["matrix"], xs["models"], xs["notes"]) + "\n")
+        written += [out / "cross_val_results.json", out / f"{job}.md"]
     if results.get("test"):
         rows = metric_rows(results)
         (out / "test.md").write_text(metric_table(rows) + "\n")
@@ -115,8 +147,9 @@ def write_results(results: dict, workspace: str | Path) -> list[str]:
     if curves:
         if have_matplotlib():
             mean = mean_curve(results)
+            model = "personalized models" if reported_key(results) == "site" else "global model"
             written.append(plot_lines({**curves, "mean": mean}, out / "val_dice.png",
-                                      f"{job}: validation Dice per site"))
+                                      f"{job}: validation Dice per site ({model})"))
         else:
             lines.append(PLOTS_HINT)
     overlays = overlay_paths(workspace, job)

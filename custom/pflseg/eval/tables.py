@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from pflseg.eval.markdown import markdown_table
+from pflseg.flare.controllers.cross_site import matrix_markdown
 from pflseg.flare.methods import METHODS
+from pflseg.infer.routing import LABELS as ROUTE_LABELS
 from pflseg.infer.routing import METHODS as ROUTE_METHODS
 
 
@@ -31,7 +33,8 @@ def dice_table(all_results: dict[str, dict]) -> str:
 
 
 #: columns of the per-site test table (``metric_rows``): one row per site and model the site scored
-METRIC_COLUMNS = ["site", "model", "reported", "dice", "dice_per_class", "iou", "assd", "n_cases", "selected_round"]
+METRIC_COLUMNS = ["site", "model", "reported", "dice", "dice_per_class", "iou", "assd", "hd95", "n_cases",
+                  "selected_round"]
 
 
 def metric_rows(results: dict) -> list[dict]:
@@ -45,9 +48,11 @@ def metric_rows(results: dict) -> list[dict]:
                 continue
             rows.append({
                 "site": site, "model": model, "reported": "yes" if model == reported else "",
-                "dice": round(m["dice"], 4), "dice_per_class": " ".join(f"{d:.4f}" for d in m.get("dice_per_class", [])),
+                "dice": round(m["dice"], 4),
+                "dice_per_class": " ".join(f"{d:.4f}" for d in m.get("dice_per_class", [])),
                 "iou": round(m["iou"], 4) if m.get("iou") is not None else "",
                 "assd": round(m["assd"], 3) if m.get("assd") is not None else "",
+                "hd95": round(m["hd95"], 3) if m.get("hd95") is not None else "",
                 "n_cases": m.get("n_cases", ""), "selected_round": m.get("selected_round", ""),
             })
     return rows
@@ -91,15 +96,18 @@ def route_table(results: dict) -> str:
     """Markdown: one row per routed site, one column per method (Dice), from the routing job's results.json."""
     rows = results["route"]
     methods = [m for m in ROUTE_METHODS if all(m in r["methods"] for r in rows.values())]
-    return markdown_table(["outside site", *methods, "routing s/sample/epoch"], [
+    return markdown_table(["outside site", *(ROUTE_LABELS.get(m, m) for m in methods), "routing s/sample/epoch"], [
         [site, *(f"{r['methods'][m]['dice']:.4f}" if r["methods"][m]["dice"] is not None else "-" for m in methods),
          f"{r['seconds_per_sample']:.4f}"] for site, r in sorted(rows.items())])
 
 
 def run_tables(results: dict, job: str) -> list[str]:
     """What ``pflseg run`` prints for job ``job``'s results.json: a post-training job's own table (its results'
-    ``route`` section: the outside sites' routing table; ``infer``: FedSM inference), else the per-site Dice table and
-    the timing line."""
+    ``route`` section: the outside sites' routing table; ``infer``: FedSM inference; ``cross_site``: the cross-site
+    matrix), else the per-site Dice table and the timing line."""
+    if "cross_site" in results:
+        xs = results["cross_site"]
+        return [matrix_markdown(xs["matrix"], xs["models"], xs["notes"])]
     if "route" in results:
         return [route_table(results)]
     if "infer" in results:

@@ -110,7 +110,8 @@ def main() -> None:
         out, site = answer(name, task, msg, site, job_id)
         for key, value in out.metrics.items() if out.metrics else []:
             if isinstance(value, (int, float)):
-                writer.add_scalar(f"{name}/{key}", value, msg.current_round or 0)
+                # the same name at every site: FLARE's receivers keep sites apart (tb_events/<site>, an MLflow run each)
+                writer.add_scalar(key, value, msg.current_round or 0)
         flare.send(out)
 
 

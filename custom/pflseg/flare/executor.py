@@ -17,7 +17,8 @@ import pflseg.flare.job_client as _launcher
 
 
 class SiteExecutor(ClientAPIExecutor):
-    """``ClientAPIExecutor(in_process, task_script_path=<installed pflseg>/flare/job_client.py)``, torch tensors end to end."""
+    """``ClientAPIExecutor(in_process, task_script_path=<installed pflseg>/flare/job_client.py)``, torch tensors end
+    to end."""
 
     def __init__(self):
         super().__init__(

@@ -5,10 +5,10 @@ values, n_k a positive integer under ``max_n_samples``). What one answer alone c
 together can; the config section ``robust`` (``app_configs/defaults.yaml``) sets the bounds:
 
 - ``screen`` (in ``send_each``, after the per-answer checks): a site whose update norm (the whole update, or one
-  model tensor it was sent; not optimizer moments, ``NOT_PER_TENSOR``) exceeds ``robust.norm_ratio`` x the median of the other sites' is left out of the round, named
-  in ``missing`` with the reason; then each n_k is capped at ``robust.n_k_ratio`` x the median of the other
-  sites' n_k (the capped value is the site's weight everywhere: aggregation, best-model selection, its first
-  accepted n_k), named in the log and in results.json ``n_k_capped``.
+  model tensor it was sent; not optimizer moments, ``NOT_PER_TENSOR``) exceeds ``robust.norm_ratio`` x the median
+  of the other sites' is left out of the round, named in ``missing`` with the reason; then each n_k is capped at
+  ``robust.n_k_ratio`` x the median of the other sites' n_k (the capped value is the site's weight everywhere:
+  aggregation, best-model selection, its first accepted n_k), named in the log and in results.json ``n_k_capped``.
 - ``aggregate`` / ``robust_args``: the aggregation rule of every method that averages (``robust.aggregation``:
   mean | median | trimmed_mean, ``robust.trim``; ``pflseg.algorithms.robust``).
 - ``validation_score``: the best global model is chosen on the sites' validation Dice combined by the same

@@ -1,9 +1,10 @@
 """Effective config -> FLARE FedJob, and export of ``jobs/<name>/`` folders.
 
-A job is: the method's controller (carrying the whole effective config), the TensorBoard receiver on the
-server, and on every site the one client script (``pflseg.flare.client``) run by FLARE's Client API
-executor with torch tensors end to end; with ``privacy.update.filters``, FLARE filters on the train task's answer
-(task_result_filters in config_fed_client.json). Two ways to ship the code:
+A job is: the method's controller (carrying the whole effective config), the tracking receivers on the server
+(``tracking.receivers``: TensorBoard by default, MLflow on request), and on every site the one client
+script (``pflseg.flare.client``) run by FLARE's Client API executor with torch tensors end to end; with
+``privacy.update.filters``, FLARE filters on the train task's answer (task_result_filters in config_fed_client.json).
+Two ways to ship the code:
 
 - ``package`` (default): sites pip-install pflseg; the job carries no code at all (no ``app/custom``), its
   site executor is ``pflseg.flare.executor.SiteExecutor`` (runs the installed launcher), and FLARE only
@@ -50,17 +51,51 @@ def build_job(cfg: dict, mode: str = "package") -> FedJob:
         raise ValueError(f"job mode '{mode}' is unknown; use one of {', '.join(MODES)}")
     job = FedJob(name=cfg["name"], min_clients=cfg["min_clients"])
     job.to_server(method(cfg).controller(config=cfg), id="controller")
-    job.to_server(TBAnalyticsReceiver(events=["fed.analytix_log_stats", "analytix_log_stats"]), id="receiver")
+    for receiver_id, receiver in tracking_receivers(cfg):
+        job.to_server(receiver, id=receiver_id)
     job.to_server({"server": {"task_request_interval": TASK_REQUEST_INTERVAL}})
     if mode == "package":
         job.to_clients(SiteExecutor(), tasks=["*"])
     else:  # relative to the script's folder, so that the job carries it as app/custom/job_client.py (see in_script_dir)
         job.to_clients(ScriptRunner(script=CLIENT_SCRIPT.name, server_expected_format=ExchangeFormat.PYTORCH))
-    job.to_clients(ConvertToFedEvent(events_to_convert=["analytix_log_stats"], fed_event_prefix="fed."), id="event_to_fed")
+    job.to_clients(ConvertToFedEvent(events_to_convert=["analytix_log_stats"], fed_event_prefix="fed."),
+                   id="event_to_fed")
     for k, spec in enumerate(cfg["privacy"]["update"]["filters"]):
-        job.to_clients(update_filter(spec), id=f"update_filter_{k}", filter_type=FilterType.TASK_RESULT, tasks=["train"])
+        job.to_clients(update_filter(spec), id=f"update_filter_{k}", filter_type=FilterType.TASK_RESULT,
+                       tasks=["train"])
     job.set_app_packages(["pflseg"])
     return job
+
+
+#: FLARE's config fills these in when it builds the server's job (``nvflare.apis.fl_constant.SystemVarName``): the
+#: server's job folder, where TensorBoard's tb_events/ also lies
+MLFLOW_FILE_STORE = "file://{WORKSPACE}/{JOB_ID}/mlruns"
+
+
+def tracking_receivers(cfg: dict) -> list[tuple[str, object]]:
+    """``(component id, FLARE receiver)`` of each name in ``tracking.receivers``, on the server.
+
+    The sites' metrics reach the server as ``fed.analytix_log_stats`` events (ConvertToFedEvent at every site);
+    TensorBoard also takes the server's own scalars (``analytix_log_stats``), MLflow only the sites' (it keeps one
+    run per site). MLflow writes to ``tracking.mlflow_uri``, by default a file store in the server's job folder.
+    """
+    out: list[tuple[str, object]] = []
+    for name in cfg["tracking"]["receivers"]:
+        if name == "tensorboard":  # the id "receiver" keeps the jobs exported before MLflow came unchanged
+            out.append(("receiver", TBAnalyticsReceiver(events=["fed.analytix_log_stats", "analytix_log_stats"])))
+        elif name == "mlflow":
+            from nvflare.app_opt.tracking.mlflow.mlflow_receiver import MLflowReceiver  # pflseg[tracking]
+
+            experiment = cfg["tracking"]["experiment"] or cfg["name"]
+            tags = {"method": cfg["method"], "job": cfg["name"]}
+            kw_args = {"experiment_name": experiment, "run_name": cfg["name"], "experiment_tags": tags,
+                       "run_tags": tags}
+            uri = cfg["tracking"]["mlflow_uri"] or MLFLOW_FILE_STORE
+            out.append(("mlflow_receiver", MLflowReceiver(tracking_uri=uri, kw_args=kw_args,
+                                                          events=["fed.analytix_log_stats"])))
+        else:
+            raise ConfigError(f"tracking.receivers: unknown receiver {name!r}")
+    return out
 
 
 def update_filter(spec: dict):
@@ -70,10 +105,12 @@ def update_filter(spec: dict):
     try:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"privacy.update.filters: cannot import {spec['filter']!r} ({exc}); name a FLARE filter class, "
+        raise ConfigError(f"privacy.update.filters: cannot import {spec['filter']!r} ({exc}); name a FLARE filter "
+                          "class, "
                           "e.g. nvflare.app_common.filters.PercentilePrivacy") from exc
     if not (isinstance(cls, type) and issubclass(cls, Filter)):
-        raise ConfigError(f"privacy.update.filters: {spec['filter']!r} is not a FLARE Filter (nvflare.apis.filter.Filter)")
+        raise ConfigError(f"privacy.update.filters: {spec['filter']!r} is not a FLARE Filter "
+                          "(nvflare.apis.filter.Filter)")
     args = dict(spec.get("args") or {})
     if "data_kinds" in inspect.signature(cls).parameters and "data_kinds" not in args:
         args["data_kinds"] = [DataKind.WEIGHT_DIFF]  # never applied to full weights

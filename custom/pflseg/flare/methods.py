@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from pflseg.config import ConfigError
 from pflseg.flare.controllers.centralized import CentralizedController
+from pflseg.flare.controllers.cross_site import CrossSiteController
 from pflseg.flare.controllers.fedavg import FedAvgController
 from pflseg.flare.controllers.fedbn import FedBNController
 from pflseg.flare.controllers.fedsm import FedSMController, FedSMInferenceController
@@ -23,6 +24,7 @@ from pflseg.flare.controllers.lcfed import FedRepController, LCFedController
 from pflseg.flare.controllers.local import LocalController
 from pflseg.flare.sites.base import Site
 from pflseg.flare.sites.centralized import CentralizedSite
+from pflseg.flare.sites.cross_site import CrossSiteSite
 from pflseg.flare.sites.fedavg import FedAvgSite
 from pflseg.flare.sites.fedbn import FedBNSite
 from pflseg.flare.sites.fedprox import FedProxSite
@@ -32,6 +34,7 @@ from pflseg.flare.sites.grace import GraceSite
 from pflseg.flare.sites.iopfl import IOPFLRoutingSite, IOPFLSite
 from pflseg.flare.sites.lcfed import FedRepSite, LCFedSite
 from pflseg.flare.sites.local import LocalSite
+from pflseg.infer.routing import LABELS as ROUTING_LABELS
 
 
 class Method(NamedTuple):
@@ -112,9 +115,9 @@ METHODS: dict[str, Method] = {
                            ("Ensemble", "iopfl_route", "route:ensemble_bn", "batch"),
                            ("Tent (online)", "iopfl_route", "route:tent", "batch"),
                            ("Tent (10 epochs, min-entropy)", "iopfl_route", "route:tent_epochs", "batch"),
-                           ("IOP-FL (Global)", "iopfl_route", "route:routing_global", "batch"),
-                           ("Routing per-layer (ours)", "iopfl_route", "route:routing_layer", "batch"),
-                           ("IOP-FL routing", "iopfl_route", "route:routing", "batch"))},
+                           (ROUTING_LABELS["routing_global"], "iopfl_route", "route:routing_global", "batch"),
+                           (ROUTING_LABELS["routing_layer"], "iopfl_route", "route:routing_layer", "batch"),
+                           (ROUTING_LABELS["routing"], "iopfl_route", "route:routing", "batch"))},
         demo_inside=(("IOP-FL P_k", "iopfl", "site", "unet"),)),
     # the routing job reaches every site outside the bundle: no targets
     "iopfl_route": Method(
@@ -124,7 +127,7 @@ METHODS: dict[str, Method] = {
                       ("Average", "iopfl_route", "average_bn", "batch"),
                       ("Ensemble", "iopfl_route", "ensemble_bn", "batch"),
                       ("Tent (online)", "iopfl_route", "tent", "batch"),
-                      ("IOP-FL routing", "iopfl_route", "routing", "batch"))),
+                      (ROUTING_LABELS["routing"], "iopfl_route", "routing", "batch"))),
     "fedsm_infer": Method(FedSMInferenceController, FedSMInferenceSite, ("fedsm",), after=("fedsm", "fedsm", {}),
                           demo_outside=(("FedSM super", "fedsm_infer", "super", "running"),)),
     "lcfed": Method(
@@ -137,6 +140,8 @@ METHODS: dict[str, Method] = {
         CentralizedController, CentralizedSite, label="Centralized",
         inside={"centralized": (("Centralized", "centralized", "global", "unet"),
                                 ("Centralized (LC-Fed net)", "centralized_lcnet", "global", "lcnet"))}),
+    # every final model of a training run at every site (any training job: cross_site.bundle; FedAvg's by default)
+    "cross_site": Method(CrossSiteController, CrossSiteSite, ("cross_site",), after=("fedavg", "cross_site", {})),
 }
 
 

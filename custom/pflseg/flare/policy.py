@@ -137,7 +137,8 @@ def check_task(site: str, task: str, cfg: dict, sites: list[str], settings: dict
     if settings["data"] is None and on_prod and not cfg["data"].get("allow_synthetic"):
         where = settings.get("policy_source", settings["source"])
         raise PolicyError(f"site {site}: no data configured at this site ({where}), and the job does not "
-                          "opt in to synthetic data (data.allow_synthetic); configure the site's data with `pflseg site "
+                          "opt in to synthetic data (data.allow_synthetic); configure the site's data with `pflseg "
+                          "site "
                           "init --data DIR`, or, for a test federation, run the job with data.allow_synthetic: true")
 
 

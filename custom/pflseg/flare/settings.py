@@ -129,7 +129,8 @@ def check_site(site: str, settings: dict) -> list[str]:
     location holds a valid data root with the site's folder and its device exists here."""
     problems = []
     device = str(settings.get("device") or "auto")
-    if device not in ("auto", "cpu") and not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
+    if device not in ("auto", "cpu") and not (device == "cuda"
+                                              or (device.startswith("cuda:") and device[5:].isdigit())):
         problems.append(f"device '{device}' is not auto, cpu, cuda or cuda:N; pass --device auto")
     elif device.startswith("cuda"):
         import torch
@@ -177,7 +178,8 @@ def resolve_data(site: str, settings: dict, data_cfg: dict, sites: list[str] | N
         root = synthetic_root(data_cfg)
         if not (root / "dataset.json").is_file():
             log.info("site %s: no data configured; making synthetic %s data in %s", site, data_cfg["synth_task"], root)
-            make_synthetic(root, task=data_cfg["synth_task"], n_sites=data_cfg["synth_sites"], seed=data_cfg["synth_seed"])
+            make_synthetic(root, task=data_cfg["synth_task"], n_sites=data_cfg["synth_sites"],
+                           seed=data_cfg["synth_seed"])
         source = "synthetic default (no data configured at this site)"
     else:
         root = Path(settings["data"]).expanduser()

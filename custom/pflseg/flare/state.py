@@ -205,7 +205,8 @@ def _write(path: Path, write, mode: str) -> None:
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         reason = exc.strerror or str(exc)
-        fix = "free space there" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "check the folder and its permissions"
+        fix = ("free space there" if exc.errno in (errno.ENOSPC, errno.EDQUOT)
+               else "check the folder and its permissions")
         raise StateError(f"could not write {path.name} into state folder {path.parent}: {reason} "
                          f"(errno {errno.errorcode.get(exc.errno, exc.errno)}); {fix}") from exc
     fsync_dir(path.parent)

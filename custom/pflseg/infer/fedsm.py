@@ -6,8 +6,8 @@ sites' validation splits during training). For every test sample x::
     s = softmax(f_s(w_s; v(x)) / T);  prediction = f(w_p,argmax(s); x) if max(s) > gamma else f(w_g; x)
 
 where v is the selector's input rule (``pflseg.algorithms.fedsm.selector_view``: ``intensity`` or ``zscore``)
-and T its temperature (``pflseg.algorithms.fedsm.route``). FedSM-extra uses a (K+1)-way selector whose argmax names the model
-directly, class 0 being the global one (``route_extra``); no gamma.
+and T its temperature (``pflseg.algorithms.fedsm.route``). FedSM-extra uses a (K+1)-way selector whose argmax
+names the model directly, class 0 being the global one (``route_extra``); no gamma.
 
 Familiarity fallback (outside sites; ``familiarity`` + ``familiar_tau``): the selector's posterior is only
 meaningful for images like the ones its head was fitted on. With the LDA head's Gaussians (class means and
@@ -25,10 +25,11 @@ are stacked in slice order into a (C, H, W, D) volume and scored by ``pflseg.tra
 every sample.
 
 Written predictions (``out_dir``): one file per case, the super model's prediction at ``save_gamma`` (or
-the extra route). A case of several slices -> ``<case>.nii.gz``, uint8 (H, W, D), identity affine; a
-single-slice case -> ``<case>.png``, uint8 (H, W). Pixel value = class index: for the ``nested`` label
-encoding it is the *channel sum* (the number of positive channels: fundus 0 = background, 1 = disc
-rim, 2 = cup); for ``exclusive`` it is c + 1 of the highest positive channel c (0 where none).
+the extra route), in the input file's geometry (``pflseg.train.predictions``): a NIfTI case -> ``<case>.nii.gz``,
+uint8, the input's shape, affine and header; a PNG/JPEG case -> ``<case>.png``, uint8, the input's size. Pixel
+value = class index: for the ``nested`` label encoding it is the *channel sum* (the number of positive
+channels: fundus 0 = background, 1 = disc rim, 2 = cup); for ``exclusive`` it is c + 1 of the highest positive
+channel c (0 where none).
 """
 
 from __future__ import annotations
@@ -37,14 +38,13 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
 from pflseg.algorithms.fedsm import GLOBAL, min_mahalanobis, route, route_extra, selector_view
-from pflseg.train.predictions import case_dice, case_names, write_predictions
 from pflseg.train.loop import make_loader
+from pflseg.train.predictions import case_dice, case_names, case_sources, write_predictions
 
 #: Key of the FedSM-extra route in the result's ``"super"`` dict.
 EXTRA = "extra"
@@ -216,7 +216,8 @@ def evaluate_super_model(
         fell = sum(1 for s in samples if s["d2"] > float(familiar_tau))
         result["fallback"] = {"tau": float(familiar_tau), "n_fallback": fell, "n_images": len(samples)}
     if out_dir is not None:
-        write_predictions(by_case, names, save_route, Path(out_dir), label_encoding)
+        write_predictions(by_case, names, save_route, Path(out_dir), label_encoding,
+                          sources=case_sources(dataset))
         result["predictions"] = str(out_dir)
     return result
 

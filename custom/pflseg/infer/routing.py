@@ -28,8 +28,8 @@ sees the same batches of ``iopfl.batch_size`` images in one seeded shuffled orde
 Tent's one pass and the first pass of every multi-pass method. The adaptive ones run Adam through the
 project's one training loop (``Hooks.step``) and keep, per sample, the prediction made at its lowest
 unsupervised loss (``pflseg.algorithms.routing``; with one pass that is the one prediction made before the
-sample's update). Labels, where present, only score. Per-case Dice and the predictions' files (NIfTI per
-volume, PNG per 2D image) reuse ``pflseg.train.predictions``.
+sample's update). Labels, where present, only score. Per-case Dice and the predictions' files (each in its
+input file's size and geometry: NIfTI with the input's affine, PNG at its size) reuse ``pflseg.train.predictions``.
 
 Settings (:func:`settings`). ``iopfl.router`` names the variant; ``loss_weights``, ``norm_affine``, ``rot_flip``,
 ``rest``, ``lr_grid`` and ``lr_guard`` left null take that variant's own: ``paper`` (and the coefficient routers)
@@ -104,14 +104,17 @@ from pflseg.algorithms.routing import (
     unsupervised_loss,
     use_batch_stats,
 )
-from pflseg.train.predictions import case_dice, case_names, write_predictions
 from pflseg.train.loop import Hooks, make_loader, seed_everything, train_epochs
+from pflseg.train.predictions import case_dice, case_names, case_sources, write_predictions
 
 #: every method :func:`route_site` scores, in table order, with its normalisation treatment (module docstring)
 NORM = {"global": "running", "global_bn": "batch", "average": "running", "average_bn": "batch",
         "ensemble": "running", "ensemble_bn": "batch", "tent": "batch", "tent_epochs": "batch",
         "routing_global": "batch", "routing_layer": "batch", "routing": "batch"}
 METHODS = tuple(NORM)
+#: the routing variants' display names, the one naming of every table (bench, demo, ``pflseg run``) and the README
+LABELS = {"routing": "IOP-FL routing", "routing_global": "IOP-FL routing (Global)",
+          "routing_layer": "IOP-FL routing (per layer, ours)"}
 
 
 def _key(batch: dict, i: int) -> tuple:
@@ -567,12 +570,14 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
                      "loss_weights_values": weights, "shape": "sum over pixels"},
         "experts": {"names": expert_names, "relative_distance": relative_distances(all_experts),
                     **({"dice": [dice(f"expert{e}") for e in range(len(all_experts))],
-                        "dice_bn": [dice(f"expert{e}_bn") for e in range(len(all_experts))]} if static is not None else {})},
+                        "dice_bn": [dice(f"expert{e}_bn") for e in range(len(all_experts))]} if static is not None
+                        else {})},
         "adaptation": adaptation,
         "start": {"routing": result["methods"]["routing"]["dice"], "routing_step0": dice("routing_step0"),
                   **({"average_bn": dice("average_bn")} if "average_bn" in methods else {})},
     }
     if out_dir is not None:
-        write_predictions(by_case, names, "routing", Path(out_dir), label_encoding)
+        write_predictions(by_case, names, "routing", Path(out_dir), label_encoding,
+                          sources=case_sources(dataset))
         result["predictions"] = str(out_dir)
     return result

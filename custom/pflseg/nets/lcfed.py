@@ -181,7 +181,8 @@ class LCFedNet(nn.Module):
         self.encoder = nn.ModuleList()
         c_in = in_channels
         for i, c in enumerate(channels):
-            self.encoder.append(ResidualUnit(in_channels=c_in, out_channels=c, strides=1 if i == 0 else strides[i - 1], **block))
+            self.encoder.append(ResidualUnit(in_channels=c_in, out_channels=c, strides=1 if i == 0 else strides[i - 1],
+                                             **block))
             c_in = c
         self.pcs = PCS(channels[-1], n_sites, embed_dim) if pcs else None
         self.up = nn.ModuleList()

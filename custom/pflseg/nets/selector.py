@@ -199,5 +199,6 @@ def selector_cfg(job_cfg: Mapping, num_classes: int, head: str | None = None) ->
     when ``fedsm.selector_fit`` is ``lda``, else ``mlp``); ``head`` given (a trained bundle's) wins."""
     if head is None:
         head = "linear" if job_cfg["fedsm"]["selector_fit"] == "lda" else "mlp"
-    return {"name": job_cfg["fedsm"]["selector"], "num_classes": num_classes, "in_channels": job_cfg["net"]["in_channels"],
+    return {"name": job_cfg["fedsm"]["selector"], "num_classes": num_classes,
+            "in_channels": job_cfg["net"]["in_channels"],
             "head": head}

@@ -4,6 +4,14 @@ routing): slices grouped by case, Dice per case, and label maps written as NIfTI
 ``by_case`` maps ``(site, case)`` to its samples in slice order; a sample is ``{"has_label": bool,
 "label": (C, H, W) bool or None, "preds": {model key: (C, H, W) bool}, "choice": {route key: model key}}``.
 
+Predictions are written where the site can lay them over its scans: given the case's source files
+(``case_sources`` of the dataset the slices came from), each input file gets one prediction file of its own
+size and geometry: a NIfTI input a ``.nii.gz`` of the input's shape, affine and header (the slices resized back
+from the training size with MONAI's ``Resize``, nearest neighbour, as ``Resized`` inverts a label), a PNG/JPEG
+input a PNG of the input's height and width. Without sources (a dataset that is not a
+:class:`~pflseg.data.datasets.SliceDataset`) a case is written at the training size: one slice as a PNG, several
+as a ``.nii.gz`` with an identity affine.
+
 Predictions (and the overlays, ``pflseg.train.overlays``) show patients: their folder is made ``0700`` and every
 file ``0600`` (``private_dir``, ``private_file``), whatever the process's umask.
 """
@@ -19,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pflseg.data.datalist import resolve
+from pflseg.data.files import is_nifti
 from pflseg.train.evaluate import dice_scores
 
 #: modes of what a site writes about its patients: a folder only its user enters, files only its user reads
@@ -102,14 +112,85 @@ def _label_map(pred: torch.Tensor, encoding: str) -> np.ndarray:
     return out.numpy().astype(np.uint8)
 
 
-def write_predictions(by_case: dict, names: dict, route_key: str, out_dir: Path, encoding: str) -> None:
+def case_sources(dataset) -> dict[tuple[str, str], list[tuple[int, Path]]]:
+    """``(site, case)`` -> ``[(first slice, image file)]`` of every datalist entry behind ``dataset``: a
+    :class:`~pflseg.data.datasets.SliceDataset`, or a ``ConcatDataset`` / ``Subset`` of them (a site's
+    ``all_images``); {} for any other dataset."""
+    from torch.utils.data import ConcatDataset, Subset
+
+    from pflseg.data.datasets import SliceDataset
+
+    out: dict = defaultdict(list)
+    parts = [dataset]
+    while parts:
+        part = parts.pop(0)
+        if isinstance(part, ConcatDataset):
+            parts.extend(part.datasets)
+        elif isinstance(part, Subset):
+            parts.append(part.dataset)
+        elif isinstance(part, SliceDataset):
+            for entry in part.entries:
+                item = (int(entry.get("slice", 0)), resolve(part.root / part.site, entry["image"]))
+                if item not in out[part.site, str(entry["case"])]:
+                    out[part.site, str(entry["case"])].append(item)
+    return {case: sorted(files) for case, files in out.items()}
+
+
+def _resized(label_map: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """A (h, w) uint8 label map at ``shape`` (nearest neighbour: labels stay labels)."""
+    if tuple(label_map.shape) == tuple(shape):
+        return label_map
+    from monai.transforms import Resize
+
+    out = Resize(spatial_size=shape, mode="nearest")(torch.from_numpy(label_map[None].astype(np.float32)))
+    return np.asarray(out)[0].astype(np.uint8)
+
+
+def _write_like(source: Path, slices: dict[int, np.ndarray], stem: Path) -> None:
+    """Label maps ``{slice within the file: (h, w) uint8}`` written in ``source``'s geometry: a NIfTI input ->
+    ``<stem>.nii.gz`` of its shape, affine and header (slices not given stay 0); a PNG/JPEG -> ``<stem>.png``
+    of its size."""
+    if is_nifti(source):
+        import nibabel as nib
+
+        image = nib.load(str(source))
+        shape = tuple(int(n) for n in image.shape)
+        depth = shape[2] if len(shape) >= 3 else 1
+        volume = np.zeros((shape[0], shape[1], depth), np.uint8)
+        for z, label_map in slices.items():
+            if 0 <= z < depth:
+                volume[..., z] = _resized(label_map, shape[:2])
+        header = image.header.copy()
+        header.set_data_dtype(np.uint8)
+        out = nib.Nifti1Image(volume.reshape(shape), image.affine, header)
+        nib.save(out, str(private_file(stem.with_name(stem.name + ".nii.gz"))))
+    else:
+        from PIL import Image
+
+        with Image.open(source) as im:
+            width, height = im.size
+        label_map = next(iter(slices.values()))
+        Image.fromarray(_resized(label_map, (height, width))).save(private_file(stem.with_name(stem.name + ".png")))
+
+
+def write_predictions(by_case: dict, names: dict, route_key: str, out_dir: Path, encoding: str,
+                      sources: dict | None = None) -> None:
+    """One prediction file per case (per input file of the case), the route ``route_key``'s model's; see the
+    module docstring. ``sources``: :func:`case_sources` of the dataset (None: the training size)."""
     import nibabel as nib
     from PIL import Image
 
     private_dir(out_dir)
     for case, items in by_case.items():
         preds = [s["preds"][s["choice"][route_key]] for s in items]
-        if len(preds) == 1:
+        files = (sources or {}).get(case)
+        if files:
+            maps = {int(s.get("slice", i)): _label_map(p, encoding) for i, (s, p) in enumerate(zip(items, preds))}
+            for first, source in files:
+                mine = {z - first: m for z, m in maps.items() if z == first or (len(files) == 1 and z >= first)}
+                if mine:
+                    _write_like(source, mine, out_dir / (names[case] if len(files) == 1 else f"{names[case]}_{first}"))
+        elif len(preds) == 1:
             Image.fromarray(_label_map(preds[0], encoding)).save(private_file(out_dir / f"{names[case]}.png"))
         else:
             volume = _label_map(torch.stack(preds, dim=-1), encoding)  # (H, W, D)

@@ -170,7 +170,7 @@ def test_unflatten_names_a_bad_key():
         unflatten_optimizer_state({"5.exp_avg": torch.zeros(1)}, groups)
 
 
-# ---------------------------------------------------------------- full-batch softmax: one Adam step on the pooled gradient
+# ---------------------------------------------------------------- full-batch softmax: Adam step on the pooled gradient
 
 LR, B1, B2, EPS = 0.01, 0.9, 0.999, 1e-8
 

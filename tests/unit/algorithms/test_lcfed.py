@@ -260,7 +260,8 @@ def test_site_predictor_gives_calibrated_logits_and_coarse_without_hc():
     with torch.no_grad():
         out = net.parts(image, 1)
         umap = head_map(net, out["feature"], heads, {**STEP_DEFAULTS, "nms_window": 5})
-        assert torch.allclose(SitePredictor(net, 1, heads, {"nms_window": 5})(image), net.calibrated_logits(out["feature"], umap))
+        assert torch.allclose(SitePredictor(net, 1, heads, {"nms_window": 5})(image),
+                              net.calibrated_logits(out["feature"], umap))
         assert torch.equal(SitePredictor(net, 1, heads, {"hc": False})(image), out["coarse"])
 
 
@@ -297,11 +298,12 @@ def test_head_map_uses_the_scaled_windows():
     net, (image, _), _, heads = _step_setup()  # 32 px
     with torch.no_grad():
         feature = net.parts(image, 1)["feature"]
-        probs = [torch.sigmoid(net.head(feature))] + [torch.sigmoid(torch.nn.functional.conv2d(feature, h["weight"], h["bias"]))
-                                                      for h in heads]
+        probs = [torch.sigmoid(net.head(feature))] + [
+            torch.sigmoid(torch.nn.functional.conv2d(feature, h["weight"], h["bias"])) for h in heads]
         cfg = {**STEP_DEFAULTS, "nms_window": 11, "gauss_size": 11, "window_ref_size": 384}  # 11 at 384 -> 3 at 32 px
         assert torch.equal(head_map(net, feature, heads, cfg), uncertainty_map(probs, 3, 0.2, 3))
-        assert torch.equal(head_map(net, feature, heads, {**cfg, "window_ref_size": 0}), uncertainty_map(probs, 11, 0.2, 11))
+        assert torch.equal(head_map(net, feature, heads, {**cfg, "window_ref_size": 0}),
+                           uncertainty_map(probs, 11, 0.2, 11))
 
 
 def test_zeros_map_gives_the_calibrated_head_with_a_zero_map():
@@ -320,7 +322,8 @@ def test_zeros_map_gives_the_calibrated_head_with_a_zero_map():
                       {"hc_map": "zeros", "lam": 0.0})["loss"]
     with torch.no_grad():
         out = net.parts(image, 1)
-        assert loss == pytest.approx(float(dice(out["coarse"], label) + dice(net.calib_head(out["feature"]), label)), rel=1e-6)
+        assert loss == pytest.approx(float(dice(out["coarse"], label) + dice(net.calib_head(out["feature"]), label)),
+                                     rel=1e-6)
 
 
 def test_self_uncertainty_is_p_times_1_minus_p_of_the_sites_own_coarse_head():

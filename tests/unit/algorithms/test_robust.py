@@ -55,7 +55,8 @@ def test_trimmed_mean_drops_each_end_and_weights_the_rest():
 
 def test_trimmed_mean_with_trim_0_is_the_weighted_mean():
     block = torch.tensor([[1.0, 2.0], [3.0, 6.0]], dtype=torch.float64)
-    assert torch.allclose(combine_rows(block, [1, 3], "trimmed_mean", 0.0), torch.tensor([2.5, 5.0], dtype=torch.float64))
+    assert torch.allclose(combine_rows(block, [1, 3], "trimmed_mean", 0.0),
+                          torch.tensor([2.5, 5.0], dtype=torch.float64))
 
 
 def test_integer_keys_are_rounded_back():
@@ -164,5 +165,6 @@ def test_only_sent_tensors_outside_the_skipped_prefixes_are_judged_one_by_one():
     answers = {k: {"w": torch.ones(100), "moment.0.exp_avg_sq": torch.tensor([1e-4]), "stats": torch.tensor([1e-4])}
                for k in "abc"}
     answers["c"] = {"w": torch.ones(100), "moment.0.exp_avg_sq": torch.tensor([20.0]), "stats": torch.tensor([20.0])}
-    assert list(norm_outliers(answers, sent, 100)) == ["c"]  # the moment, beyond 100 x (0.01 x the others' whole update)
+    # the moment, beyond 100 x (0.01 x the others' whole update)
+    assert list(norm_outliers(answers, sent, 100)) == ["c"]
     assert norm_outliers(answers, sent, 100, skip=("moment.",)) == {}  # "stats" was not sent: whole update only

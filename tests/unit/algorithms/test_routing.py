@@ -12,11 +12,11 @@ from pflseg.algorithms.routing import (
     RoutedConv,
     build_routed_model,
     entropy,
+    loss_weights,
     relative_distances,
     router_parameters,
     shape_loss,
     unsupervised_loss,
-    loss_weights,
     use_batch_stats,
 )
 from pflseg.nets import build_net
@@ -135,11 +135,13 @@ def test_gradients_reach_only_routers_and_optionally_norm_affine(norm_affine):
     assert all(b.grad is None for b in routed.buffers())  # experts frozen
 
 
-@pytest.mark.parametrize("conv", [nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.ConvTranspose2d(3, 4, 3, 2, 1, output_padding=1),
+@pytest.mark.parametrize("conv",
+                         [nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.ConvTranspose2d(3, 4, 3, 2, 1, output_padding=1),
                                   nn.Conv2d(4, 4, 3, padding=1, groups=2), nn.Conv1d(3, 2, 3)])
 def test_grouped_path_equals_per_sample_loop(conv):
     torch.manual_seed(0)
-    layers = [conv] + [type(conv)(**{k: getattr(conv, k) for k in ("in_channels", "out_channels", "kernel_size", "stride",
+    layers = [conv] + [type(conv)(**{k: getattr(conv, k)
+                                     for k in ("in_channels", "out_channels", "kernel_size", "stride",
                                                                    "padding", "groups")}) for _ in range(2)]
     routed = RoutedConv(layers, router="refcode").eval()
     x = torch.randn(5, conv.in_channels, *([8] * (conv.weight.ndim - 2)))
@@ -176,7 +178,8 @@ def test_paper_router_starts_at_one_over_k_plus_one_with_independent_sigmoids(n_
     x = torch.randn(3, 1, 16, 16)
     # assert: every coefficient of every layer and sample is 1/E at the start, whatever the input
     for layer in layers:
-        inp = torch.randn(3, layer.weight.shape[2] * layer.groups if not layer.transposed else layer.weight.shape[1], 4, 4)
+        inp = torch.randn(3, layer.weight.shape[2] * layer.groups if not layer.transposed else layer.weight.shape[1], 4,
+                          4)
         assert torch.allclose(layer.coefficients(inp), torch.full((3, n_experts), 1 / n_experts), rtol=0, atol=1e-7)
     # execute: raise expert 0's logit in one layer
     router = layers[0].router

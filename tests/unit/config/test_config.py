@@ -24,7 +24,8 @@ def test_wrong_type_is_an_error():
 
 
 def test_routing_comparators_take_a_flag_or_a_list_and_nothing_else():
-    assert load_job_config("iopfl_route", overrides={"iopfl": {"comparators": ["tent"]}})["iopfl"]["comparators"] == ["tent"]
+    assert (load_job_config("iopfl_route", overrides={"iopfl": {"comparators": ["tent"]}})["iopfl"]["comparators"]
+            == ["tent"])
     assert load_job_config("iopfl_route", overrides={"iopfl": {"comparators": False}})["iopfl"]["comparators"] is False
     with pytest.raises(ConfigError, match="iopfl.comparators"):
         load_job_config("iopfl_route", overrides={"iopfl": {"comparators": "tent"}})
@@ -64,7 +65,8 @@ def test_cli_overrides_apply():
 def test_fedsm_selector_options_are_checked(fedsm, match):
     with pytest.raises(ConfigError, match=match):
         check_effective(load_job_config("fedsm", overrides={"fedsm": fedsm}))
-    assert check_effective(load_job_config("fedsm", overrides={"fedsm": {"selector_steps": "batch", "selector_epochs": 3}}))
+    assert check_effective(load_job_config("fedsm",
+                                           overrides={"fedsm": {"selector_steps": "batch", "selector_epochs": 3}}))
 
 
 @pytest.mark.parametrize("overrides, match", [
@@ -90,7 +92,8 @@ def test_a_network_over_the_parameter_budget_is_refused_naming_its_keys():
 
 
 def test_size_batch_and_channels_are_bounded_jointly():
-    with pytest.raises(ConfigError, match=r"data\.size=1024 x train\.batch_size=1024 x net\.channels=.*GiB.*budget of 64"):
+    with pytest.raises(ConfigError,
+                       match=r"data\.size=1024 x train\.batch_size=1024 x net\.channels=.*GiB.*budget of 64"):
         load_job_config("fedavg", overrides={"data": {"size": 1024}, "train": {"batch_size": 1024}})
     with pytest.raises(ConfigError, match=r"train\.eval_batch_size=1024"):
         load_job_config("fedavg", overrides={"data": {"size": 1024}, "train": {"eval_batch_size": 1024}})

@@ -9,6 +9,7 @@ import pytest
 
 from pflseg.data import make_synthetic
 
+
 @pytest.fixture(scope="session")
 def synth_root(tmp_path_factory) -> Path:
     """A small synthetic prostate root: 3 sites (the last one outside), 5/4/3 cases, 32 px, 4 slices."""

@@ -8,10 +8,10 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import pytest
-from tests.unit.data.helpers import fixture_dir, write_png
 from PIL import Image
 
 from pflseg.data import LAYOUTS, DataError, check_dataset, index_dataset, site_dataset
+from tests.unit.data.helpers import fixture_dir, write_png
 
 
 def _datalists(out: Path) -> dict[str, dict]:

@@ -9,9 +9,9 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import pytest
-from tests.unit.data.helpers import write_png
 
 from pflseg.data import DataError, check_dataset, index_dataset, require_valid, site_dataset
+from tests.unit.data.helpers import write_png
 
 
 def _entry(root: Path, site: str, split: str = "training", k: int = 0) -> dict:

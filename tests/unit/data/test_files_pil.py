@@ -13,7 +13,8 @@ def test_a_png_named_file_holding_another_format_is_refused(fmt, tmp_path):
     path = tmp_path / "mask.png"
     Image.fromarray(np.zeros((8, 8), np.uint8)).save(path, format=fmt)
     for read in (image_header, read_array):
-        with pytest.raises(ImageFormatError, match=r"mask\.png: cannot read it as PNG, the format its name says") as err:
+        with pytest.raises(ImageFormatError,
+                           match=r"mask\.png: cannot read it as PNG, the format its name says") as err:
             read(path)
         assert err.value.code == "unreadable_file" and "real PNG" in err.value.fix
 

@@ -20,8 +20,14 @@ from pflseg.data import DataError, check_dataset, index_dataset, index_report, s
 from pflseg.data.datalist import suggested_train_size
 from pflseg.data.files import read_array
 from pflseg.data.labels import label_problem, map_labels
-from pflseg.data.masks import (MaskValues, SiteEncoding, describe_values, format_values, looks_lossy_binary,
-                               site_encoding)
+from pflseg.data.masks import (
+    MaskValues,
+    SiteEncoding,
+    describe_values,
+    format_values,
+    looks_lossy_binary,
+    site_encoding,
+)
 
 H, W = 8, 12
 

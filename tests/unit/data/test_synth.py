@@ -45,7 +45,8 @@ def test_dataset_json_and_files(synth_root):
 
 
 def test_sites_have_their_own_resolution(synth_root):
-    shapes = {s: nib.load(str(synth_root / s / "imagesTr/case000.nii.gz")).shape[0] for s in ("site-1", "site-2", "site-3")}
+    shapes = {s: nib.load(str(synth_root / s / "imagesTr/case000.nii.gz")).shape[0]
+              for s in ("site-1", "site-2", "site-3")}
     assert len(set(shapes.values())) == 3
 
 

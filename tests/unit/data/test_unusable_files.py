@@ -30,7 +30,8 @@ def _tree(root: Path, sites: dict[str, int], side: int = 48, masks: bool = True)
     for site, n in sites.items():
         for k in range(n):
             (root / site / "images").mkdir(parents=True, exist_ok=True)
-            Image.fromarray(rng.integers(0, 255, (side, side), dtype=np.uint8)).save(root / site / "images" / f"c{k}.png")
+            pixels = rng.integers(0, 255, (side, side), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / site / "images" / f"c{k}.png")
             if masks:
                 (root / site / "masks").mkdir(parents=True, exist_ok=True)
                 mask = np.zeros((side, side), np.uint8)

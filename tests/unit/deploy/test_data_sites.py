@@ -6,8 +6,7 @@ import pytest
 
 from pflseg.cli import build_parser
 from pflseg.data import DataError, make_synthetic, site_dataset
-from pflseg.deploy.data_sites import (choose_sites, data_overrides, flare_names, project_with_sites, renamed,
-                                      site_view)
+from pflseg.deploy.data_sites import choose_sites, data_overrides, flare_names, project_with_sites, renamed, site_view
 
 
 def _root(tmp_path, sites=None, **info):
@@ -26,7 +25,8 @@ def _root(tmp_path, sites=None, **info):
     (["site-1", "site-2"], {"site-1": "site-1", "site-2": "site-2"}),
     (["Hospital A", "Clinic_B"], {"Hospital_A": "Hospital A", "Clinic_B": "Clinic_B"}),
     (["Hospital A", "Hospital_A"], {"Hospital_A-2": "Hospital A", "Hospital_A": "Hospital_A"}),  # valid name kept
-    (["St. Mary's (ICU)", "server", "病院"], {"St_Mary_s_ICU": "St. Mary's (ICU)", "server_site": "server", "site": "病院"}),
+    (["St. Mary's (ICU)", "server", "病院"],
+     {"St_Mary_s_ICU": "St. Mary's (ICU)", "server_site": "server", "site": "病院"}),
 ])
 def test_flare_names_keep_valid_names_and_replace_the_rest(sites, expected):
     assert flare_names(sites) == expected
@@ -63,7 +63,8 @@ def test_site_view_only_when_a_name_needs_another(tmp_path):
     ({}, {}, None, {"net": {"in_channels": 1, "out_channels": 1}}),
     ({"in_channels": 3, "train_size": 128}, {}, None,
      {"net": {"in_channels": 3, "out_channels": 1}, "data": {"size": 128}}),
-    ({"in_channels": 3, "train_size": 128}, {}, 64, {"net": {"in_channels": 3, "out_channels": 1}, "data": {"size": 64}}),
+    ({"in_channels": 3, "train_size": 128}, {}, 64,
+     {"net": {"in_channels": 3, "out_channels": 1}, "data": {"size": 64}}),
     ({"in_channels": 3, "train_size": 128, "classes": ["disc", "cup"]},  # the user's --set wins over everything
      {"net": {"in_channels": 1, "out_channels": 1}, "data": {"size": 32}, "rounds": 2}, 64,
      {"net": {"in_channels": 1, "out_channels": 1}, "data": {"size": 32}, "rounds": 2}),

@@ -1,7 +1,6 @@
 """Deployment pieces without processes: loopback project, job modes, GPU resource_spec, tables."""
 
 import json
-from pathlib import Path
 
 import pytest
 import yaml
@@ -44,7 +43,8 @@ def test_gpu_resource_spec(tmp_path):
     with pytest.raises(ValueError, match="positive"):
         gpu_resource_spec(0)
     job = export_job("fedbn", tmp_path, gpu_mem_gib=2, sites=["site-1"])
-    assert json.loads((job / "meta.json").read_text())["resource_spec"] == {"site-1": {"num_of_gpus": 1, "mem_per_gpu_in_GiB": 2}}
+    assert (json.loads((job / "meta.json").read_text())["resource_spec"]
+            == {"site-1": {"num_of_gpus": 1, "mem_per_gpu_in_GiB": 2}})
 
 
 def test_metrics_table_names_sites_left_out():
@@ -86,7 +86,8 @@ def _allowed(local, site_org, right, user):
     from nvflare.security.security import FLAuthorizer
 
     policy = json.loads((local / "authorization.json.default").read_text())
-    ok, _ = FLAuthorizer(site_org, policy).authorize(AuthzContext(right=right, user=Person(*user), submitter=Person(*user)))
+    ok, _ = FLAuthorizer(site_org,
+                         policy).authorize(AuthzContext(right=right, user=Person(*user), submitter=Person(*user)))
     return ok
 
 
@@ -108,7 +109,8 @@ def test_every_kit_gets_the_site_policy_no_byoc_no_shell_across_orgs(tmp_path):
         assert not _allowed(local, p.org, "submit_job", viewer)
         assert _allowed(local, p.org, "shutdown", admin)  # `pflseg deploy stop` still stops every site
     for c in clients:  # FLARE 2.9's kits stream site logs to the server: off at every site
-        assert json.loads((tmp_path / c.name / "local" / "resources.json.default").read_text())["allow_log_streaming"] is False
+        resources = json.loads((tmp_path / c.name / "local" / "resources.json.default").read_text())
+        assert resources["allow_log_streaming"] is False
 
 
 def test_byoc_can_be_granted_to_the_own_organisation_only(tmp_path):

@@ -23,7 +23,8 @@ def test_a_site_that_stopped_answering_is_asked_again_and_left_out_again(tmp_pat
     ctrl.round(1)
     sent = [(task, site) for task, site, _ in stub.sent]
     assert sent.count(("train", "site-3")) == 2 and sent.count(("train", "site-1")) == 2
-    assert ctrl.missing["site-3"].startswith("no result") and set(ctrl.round_metrics["val_dice"]) == {"site-1", "site-2"}
+    assert (ctrl.missing["site-3"].startswith("no result")
+            and set(ctrl.round_metrics["val_dice"]) == {"site-1", "site-2"})
 
 
 def test_min_clients_counts_the_dead_site(tmp_path, monkeypatch):

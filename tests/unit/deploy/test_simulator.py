@@ -12,9 +12,17 @@ import pytest
 from pflseg.cli import _run_overrides, build_parser, main
 from pflseg.config import load_job_config
 from pflseg.data import make_synthetic
-from pflseg.deploy.simulator import (Interrupted, WorkspaceBusy, differences, judge, move_aside, read_record,
-                                     run_side_by_side,
-                                     run_record, workspace_lock)
+from pflseg.deploy.simulator import (
+    Interrupted,
+    WorkspaceBusy,
+    differences,
+    judge,
+    move_aside,
+    read_record,
+    run_record,
+    run_side_by_side,
+    workspace_lock,
+)
 from pflseg.flare.state import RoundStore
 
 
@@ -76,13 +84,15 @@ def test_the_record_holds_config_data_and_sites_and_names_what_differs(tmp_path)
     assert "resume" not in one["config"] and one["config"]["train"]["lr"] == 0.001
     assert sorted(one["data"]["datalists"]) == ["site-1", "site-2"] and "sites" not in one["data"]["dataset"]
     assert run_record(load_job_config("fedavg"), root, ["site-1", "site-2"])["sha256"] == one["sha256"]  # resume aside
-    other = run_record(load_job_config("fedavg", overrides={"train": {"lr": 0.01}, "rounds": 30}), root, ["site-1", "site-2"])
+    other = run_record(load_job_config("fedavg", overrides={"train": {"lr": 0.01}, "rounds": 30}), root,
+                       ["site-1", "site-2"])
     assert differences(one, other) == ["rounds: 20 -> 30", "train.lr: 0.001 -> 0.01"]
     assert differences(one, other, more_rounds=True) == ["train.lr: 0.001 -> 0.01"]  # resume may extend a run
     (root / "site-2" / "datalist.json").write_text("{}")  # the site's data changed
     changed = run_record(cfg, root, ["site-1", "site-2"])
     assert [d.split(":")[0] for d in differences(one, changed)] == ["data.datalists.site-2"]
-    assert 'sites: ["site-1", "site-2"] -> ["site-1", "site-3"]' in differences(one, run_record(cfg, root, ["site-1", "site-3"]))
+    other_sites = run_record(cfg, root, ["site-1", "site-3"])
+    assert 'sites: ["site-1", "site-2"] -> ["site-1", "site-3"]' in differences(one, other_sites)
 
 
 def test_side_by_side_runs_two_at_a_time_a_post_training_call_after_its_run():

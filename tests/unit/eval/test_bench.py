@@ -21,7 +21,8 @@ def test_the_mean_row_spreads_over_seeds_not_over_sites():
     # seed 0 scores 0.2 and 0.6 at the two sites, seed 1 0.4 and 0.8: site means 0.4 and 0.6 per seed
     mean = _seed_means({"site-1": [0.2, 0.4], "site-2": [0.6, 0.8]})
     assert abs(mean["mean"] - 0.5) < 1e-12 and abs(mean["std"] - 0.02**0.5) < 1e-12 and mean["n"] == 2
-    assert _seed_means({"site-1": [0.2, 0.4], "site-2": [0.6]}) is None  # a site without seed 1: no mean, not a wrong one
+    # a site without seed 1: no mean, not a wrong one
+    assert _seed_means({"site-1": [0.2, 0.4], "site-2": [0.6]}) is None
 
 
 def test_paired_difference_is_the_mean_of_per_seed_per_site_differences_with_a_t_interval():
@@ -33,7 +34,8 @@ def test_paired_difference_is_the_mean_of_per_seed_per_site_differences_with_a_t
     tie = paired_difference({"s": [0.5, 0.7]}, {"s": [0.6, 0.6]})  # -0.1 and +0.1: the interval holds 0
     assert tie["verdict"] == "tie" and abs(tie["mean"]) < 1e-12
     assert paired_difference({"s": [0.5]}, {"s": [0.4]}) is None  # one pair: no interval
-    assert paired_difference({"s": [0.5, 0.6], "t": [0.1]}, {"s": [0.4, 0.5], "t": [0.2, 0.3]})["n"] == 2  # t lacks a seed
+    # t lacks a seed
+    assert paired_difference({"s": [0.5, 0.6], "t": [0.1]}, {"s": [0.4, 0.5], "t": [0.2, 0.3]})["n"] == 2
 
 
 def test_tables():
@@ -45,7 +47,8 @@ def test_tables():
               "inside_backbone": {"FedAvg": "unet", "Local": "unet"}, "inside_vs_fedavg": {"Local": diff},
               "inside_cases": {"site-1": {"cases": 5, "images": 40}},
               "outside": {"FedAvg [batch]": {"site-2": stat}, "IOP-FL routing [batch]": {"site-2": stat}},
-              "outside_vs_fedavg": {"IOP-FL routing [batch]": {**diff, "verdict": "tie", "reference": "FedAvg [batch]"}},
+              "outside_vs_fedavg": {
+                  "IOP-FL routing [batch]": {**diff, "verdict": "tie", "reference": "FedAvg [batch]"}},
               "primary": {"method": "IOP-FL routing", "against": ["FedAvg"], "treatment": "batch",
                           "differences": {"FedAvg": {**diff, "verdict": "tie"}}}}
     md = to_markdown(report)
@@ -59,7 +62,8 @@ def test_tables():
     md = to_markdown(report)
     assert "the claim cannot be judged: fewer than 2 (seed, site) pairs" in md
     assert "| Local | 0.500 | **-** |" in md  # one seed: no "± 0.000"
-    route = {"route": {"site-3": {"methods": {"global": {"dice": 0.25}, "routing": {"dice": None}}, "seconds_per_sample": 0.5}}}
+    route = {"route": {"site-3": {"methods": {"global": {"dice": 0.25}, "routing": {"dice": None}},
+                                  "seconds_per_sample": 0.5}}}
     assert route_table(route).splitlines()[-1].startswith("| site-3 |")
 
 
@@ -71,7 +75,8 @@ def fake_simulator(calls):
 
     from pflseg.deploy.simulator import record_run
 
-    def run_simulator(job_dir, workspace, n_sites=3, threads=None, data=None, progress=print, clients=None, inputs=None):
+    def run_simulator(job_dir, workspace, n_sites=3, threads=None, data=None, progress=print, clients=None,
+                      inputs=None):
         job = Path(job_dir).name
         calls.append(job)
         record_run(Path(workspace), Path(job_dir), data, clients, inputs)
@@ -130,3 +135,11 @@ def test_a_post_training_run_is_read_back_only_with_the_same_training_run(tmp_pa
     assert not bench.finished(0, "inside", "fedsm_infer")
     bench.run(0, "inside", "fedsm_infer")
     assert calls[-1] == "fedsm_infer" and "inputs.bundle_run:" in said[-1]
+
+
+def test_one_seed_writes_no_spread_in_the_csv():
+    """Before: bench_*.csv wrote dice_std 0.0000 with one seed, a spread nobody measured."""
+    from pflseg.eval.bench import _csv_std
+
+    assert _csv_std({"mean": 0.5, "std": 0.0, "n": 1}) == ""
+    assert _csv_std({"mean": 0.5, "std": 0.1, "n": 3}) == "0.1000"

@@ -38,7 +38,7 @@ def test_metric_rows_mark_the_model_the_tables_report():
         ("site-2", "global", "yes", 0.5), ("site-2", "site", "", 0.25)]
     personal = metric_rows({**RESULTS, "method": "fedbn"})
     assert [r["reported"] for r in personal] == ["", "yes", "", "yes"]
-    assert metric_table(rows).splitlines()[2] == "| Hospital_A | global | yes | 0.75 | 0.7500 | 0.375 | 1.5 | 2 |  |"
+    assert metric_table(rows).splitlines()[2] == "| Hospital_A | global | yes | 0.75 | 0.7500 | 0.375 | 1.5 |  | 2 |  |"
 
 
 @pytest.mark.parametrize("plots", [pytest.param(True, marks=pytest.mark.skipif(not MATPLOTLIB, reason="no matplotlib")),
@@ -82,3 +82,37 @@ def test_plot_lines_writes_a_png(tmp_path):
     path = plot_lines({"site-1": [(1, 0.2), (2, 0.4)], "mean": [(1, 0.2), (2, 0.4)]}, tmp_path / "a" / "p.png", "t")
     with Image.open(path) as im:
         assert im.format == "PNG" and im.size == (640, 400)
+
+
+#: an LC-Fed run as the demo saw it: the received body with the site's heads (val_dice) scores near 0 each round, the
+#: site's model after local training (val_dice_local: what LC-Fed reports, test Dice 0.76) near 0.76
+LCFED = {"job": "lcfed", "method": "lcfed",
+         "history": [{"round": r, "val_dice": {"site-1": 0.06}, "site_metrics": {
+             "site-1": {"val_dice": 0.06, "val_dice_local": 0.70 + r / 100, "steps": 5}}} for r in range(3)]}
+
+
+def test_a_personalized_methods_curve_is_its_reported_model_not_the_received_one():
+    """Before: LC-Fed's curve dipped to 0.06 (the received shared body) while its test Dice was 0.76."""
+    from types import SimpleNamespace
+
+    from pflseg.eval.bench import Bench
+    from pflseg.eval.plots import reported_val_dice
+
+    assert val_curves(LCFED) == {"site-1": [(1, 0.70), (2, 0.71), (3, 0.72)]}
+    assert mean_curve(LCFED) == [(1, 0.70), (2, 0.71), (3, 0.72)]
+    bench = SimpleNamespace(results=lambda seed, fold, job: LCFED)  # the demo's and the bench's curves
+    assert Bench.curve(bench, 0, "lcfed", "site") == pytest.approx([0.70, 0.71, 0.72])
+    assert Bench.curve(bench, 0, "lcfed", "global") == pytest.approx([0.06] * 3)
+    fedsm = {"val_dice": {"a": 0.1}, "site_metrics": {"a": {"val_dice_person": 0.9, "val_dice_local": 0.5}}}
+    assert reported_val_dice(fedsm, "site") == {"a": 0.9}  # the tracked personalized model first
+
+
+@pytest.mark.skipif(not MATPLOTLIB, reason="needs matplotlib")
+def test_curve_plots_have_integer_round_ticks(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    seen = []
+    monkeypatch.setattr(plt, "close", lambda fig: seen.append(fig))
+    plot_lines({"a": [(1, 0.5), (2, 0.6), (3, 0.7)]}, tmp_path / "c.png", "t")
+    ticks = [t for t in seen[0].axes[0].get_xticks() if 1 <= t <= 3]
+    assert ticks and all(float(t).is_integer() for t in ticks)

@@ -19,7 +19,6 @@ from pflseg.config import ConfigError, check_effective, load_job_config
 from pflseg.flare.controllers.base import check_update
 from pflseg.flare.methods import METHODS
 from pflseg.flare.state import RoundStore, load_file, prefixed, save_file, state_dir, unprefixed
-
 from tests.unit.flare.test_controllers import TINY, Stub, make, scaled
 
 FACTOR = {"site-1": 1.0, "site-2": 100.0, "site-3": 3.0}
@@ -152,7 +151,8 @@ def test_malformed_message_bodies_are_refused(tmp_path, monkeypatch):
 def test_n_k_may_not_grow_beyond_the_sites_first_accepted_value_and_survives_a_resume(tmp_path, monkeypatch):
     ctrl = make("fedavg", tmp_path, monkeypatch)
     n = {"site-1": 4, "site-2": 4, "site-3": 4}
-    Stub(ctrl, lambda site, data: FLModel(params=data.params, metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": n[site]}))
+    Stub(ctrl, lambda site,
+         data: FLModel(params=data.params, metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": n[site]}))
     ctrl.round(0)
     assert not ctrl.missing and ctrl.n_first == {"site-1": 4, "site-2": 4, "site-3": 4}
     ctrl.history = [{"round": 0}]
@@ -160,15 +160,18 @@ def test_n_k_may_not_grow_beyond_the_sites_first_accepted_value_and_survives_a_r
     again = make("fedavg", tmp_path, monkeypatch, resume=True)
     assert again.n_first == ctrl.n_first
     n.update({"site-2": 5, "site-3": 2})  # growing is refused, shrinking is fine
-    Stub(again, lambda site, data: FLModel(params=data.params, metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": n[site]}))
+    Stub(again, lambda site,
+         data: FLModel(params=data.params, metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": n[site]}))
     again.round(1)
-    assert list(again.missing) == ["site-2"] and "NUM_STEPS_CURRENT_ROUND=5 exceeds its first accepted value 4" in again.missing["site-2"]
+    assert (list(again.missing) == ["site-2"]
+            and "NUM_STEPS_CURRENT_ROUND=5 exceeds its first accepted value 4" in again.missing["site-2"])
 
 
 def test_max_n_samples_is_a_config_key(tmp_path, monkeypatch):
     ctrl = make("fedavg", tmp_path, monkeypatch, max_n_samples=10)
     n = {"site-1": 10, "site-2": 11, "site-3": 3}
-    Stub(ctrl, lambda site, data: FLModel(params=data.params, metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": n[site]}))
+    Stub(ctrl, lambda site,
+         data: FLModel(params=data.params, metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": n[site]}))
     ctrl.round(0)
     assert list(ctrl.missing) == ["site-2"] and "exceeds max_n_samples=10" in ctrl.missing["site-2"]
     with pytest.raises(ConfigError, match="max_n_samples"):
@@ -221,7 +224,8 @@ def test_a_validate_answer_without_val_dice_does_not_end_the_job(tmp_path, monke
 
 def test_a_finetune_answer_without_its_metrics_is_left_out(tmp_path, monkeypatch):
     ctrl = make("ft", tmp_path, monkeypatch)
-    Stub(ctrl, lambda site, data: FLModel(params={}, metrics={"ft_best_epoch": 1, "ft_val_dice": [0.2]} if site != "site-3" else {}))
+    Stub(ctrl, lambda site,
+         data: FLModel(params={}, metrics={"ft_best_epoch": 1, "ft_val_dice": [0.2]} if site != "site-3" else {}))
     ctrl.personalize(2, prefixed("global", ctrl.global_state))
     assert sorted(ctrl.ft) == ["site-1", "site-2"] and "ft_best_epoch" in ctrl.missing["site-3"]
 
@@ -262,7 +266,8 @@ def test_fedsm_lda_statistics_that_do_not_count_the_sites_images_are_left_out(tm
 
 
 def test_fedsm_selector_round_with_a_non_numeric_loss_is_left_out(tmp_path, monkeypatch):
-    ctrl = make("fedsm", tmp_path, monkeypatch, fedsm={"extra_rounds": 1, "selector_fit": "softmax", "selector_steps": "batch"},
+    ctrl = make("fedsm", tmp_path, monkeypatch,
+                fedsm={"extra_rounds": 1, "selector_fit": "softmax", "selector_steps": "batch"},
                 rounds=1)
 
     def reply(site, data):
@@ -337,7 +342,8 @@ def iopfl_bundle(folder):
 
 def fedsm_bundle(folder):
     RoundStore(folder).save(0, {"round": 0, **prefixed("global", {"w": torch.ones(2)}),
-                                **prefixed("person.site-1", {"w": torch.ones(2)}), **prefixed("select", {"w": torch.ones(2)})})
+                                **prefixed("person.site-1", {"w": torch.ones(2)}),
+                                **prefixed("select", {"w": torch.ones(2)})})
 
 
 BUNDLES = [("iopfl_route", "iopfl", iopfl_bundle), ("fedsm_infer", "fedsm", fedsm_bundle)]
@@ -367,7 +373,8 @@ def test_a_bundle_inside_the_servers_state_root_is_used(method, key, make_bundle
 def test_the_operator_can_allow_more_bundle_roots(method, key, make_bundle, tmp_path, monkeypatch):
     make_bundle(tmp_path / "runs" / "train" / "state" / "server" / "trained")
     monkeypatch.setenv("PFLSEG_BUNDLE_ROOTS", str(tmp_path / "runs"))  # the server's own environment, never the job
-    stub, panics = post_training(method, key, tmp_path / "runs" / "train" / "state" / "server" / "trained", tmp_path, monkeypatch)
+    stub, panics = post_training(method, key, tmp_path / "runs" / "train" / "state" / "server" / "trained", tmp_path,
+                                 monkeypatch)
     assert not panics and stub.sent
 
 
@@ -489,9 +496,11 @@ def test_a_local_simulation_lets_post_training_jobs_read_sibling_workspaces(tmp_
     monkeypatch.delenv("PFLSEG_BUNDLE_ROOTS", raising=False)
     (tmp_path / "jobs" / "fedsm_infer").mkdir(parents=True)
     with pytest.raises(Started):
-        simulator.run_simulator(tmp_path / "jobs" / "fedsm_infer", tmp_path / "runs" / "infer", n_sites=2, progress=lambda m: None)
+        simulator.run_simulator(tmp_path / "jobs" / "fedsm_infer", tmp_path / "runs" / "infer", n_sites=2,
+                                progress=lambda m: None)
     assert seen["PFLSEG_BUNDLE_ROOTS"] == str(tmp_path / "runs")
     monkeypatch.setenv("PFLSEG_BUNDLE_ROOTS", "/srv/bundles")  # an operator's own setting wins
     with pytest.raises(Started):
-        simulator.run_simulator(tmp_path / "jobs" / "fedsm_infer", tmp_path / "runs" / "infer", n_sites=2, progress=lambda m: None)
+        simulator.run_simulator(tmp_path / "jobs" / "fedsm_infer", tmp_path / "runs" / "infer", n_sites=2,
+                                progress=lambda m: None)
     assert seen["PFLSEG_BUNDLE_ROOTS"] == "/srv/bundles"

@@ -6,8 +6,8 @@ from nvflare.app_common.abstract.fl_model import FLModel
 
 from pflseg.algorithms.fedbn import shared_keys
 from pflseg.config import load_job_config
-from pflseg.flare.methods import METHODS
 from pflseg.flare.controllers.base import RoundError, check_update
+from pflseg.flare.methods import METHODS
 from pflseg.flare.state import RoundStore, prefixed, unprefixed
 from pflseg.nets import build_net
 
@@ -133,7 +133,8 @@ def test_fedbn_refuses_a_net_without_batch_norm():
 
 def test_local_sends_initial_model_once_and_aggregates_nothing(tmp_path, monkeypatch):
     ctrl = make("local", tmp_path, monkeypatch)
-    stub = Stub(ctrl, lambda site, data: FLModel(params={}, metrics={"val_dice": 0.1}, meta={"NUM_STEPS_CURRENT_ROUND": 1}))
+    stub = Stub(ctrl, lambda site,
+                data: FLModel(params={}, metrics={"val_dice": 0.1}, meta={"NUM_STEPS_CURRENT_ROUND": 1}))
     g0 = dict(ctrl.global_state)
     ctrl.round(0)
     ctrl.round(1)
@@ -143,7 +144,8 @@ def test_local_sends_initial_model_once_and_aggregates_nothing(tmp_path, monkeyp
 
 def test_centralized_trains_at_one_site(tmp_path, monkeypatch):
     ctrl = make("centralized", tmp_path, monkeypatch)
-    stub = Stub(ctrl, lambda site, data: FLModel(params=data.params, metrics={"val_dice": 0.3}, meta={"NUM_STEPS_CURRENT_ROUND": 9}))
+    stub = Stub(ctrl, lambda site,
+                data: FLModel(params=data.params, metrics={"val_dice": 0.3}, meta={"NUM_STEPS_CURRENT_ROUND": 9}))
     ctrl.round(0)
     assert [s for _, s, _ in stub.sent] == ["site-1"]
 
@@ -166,7 +168,8 @@ def test_check_update_reasons():
     assert "Inf" in check_update({"global.w": torch.tensor([1.0, float("inf")])}, ref)
 
 
-BATCH = {"selector_fit": "softmax", "selector_steps": "batch"}  # the paper's per-batch steps: weights and moments averaged
+# the paper's per-batch steps: weights and moments averaged
+BATCH = {"selector_fit": "softmax", "selector_steps": "batch"}
 
 
 def test_fedsm_sends_each_site_only_its_own_personalized_model_and_label(tmp_path, monkeypatch):
@@ -234,7 +237,8 @@ def lda_answer(ctrl, site, data, shift=0.0):
     phi = torch.zeros(4, d, dtype=torch.float64)
     phi[:, k] = 1.0 + shift
     phi[:2, -1] += 0.5  # some spread within the site
-    stats = {"gram": phi.T @ phi, "sum": torch.zeros_like(ref["stats.sum"]), "count": torch.zeros_like(ref["stats.count"])}
+    stats = {"gram": phi.T @ phi, "sum": torch.zeros_like(ref["stats.sum"]),
+             "count": torch.zeros_like(ref["stats.count"])}
     stats["sum"][k], stats["count"][k] = phi.sum(0), 4.0
     return FLModel(params={**models_of(data), **prefixed("stats", stats)}, metrics={"val_dice": 0.5},
                    meta={"NUM_STEPS_CURRENT_ROUND": 4})
@@ -249,17 +253,20 @@ def test_fedsm_lda_head_comes_from_the_summed_statistics_and_keeps_a_dropped_sit
     ctrl.round(0)
     stats = [unprefixed("stats", lda_answer(ctrl, s, stub.sent[0][2]).params) for s in ctrl.sites]
     weight, bias = lda_head(add_statistics(stats), ctrl.cfg["fedsm"]["lda_shrinkage"])
-    assert torch.allclose(ctrl.selector["classifier.weight"], weight) and torch.allclose(ctrl.selector["classifier.bias"], bias)
+    assert (torch.allclose(ctrl.selector["classifier.weight"], weight)
+            and torch.allclose(ctrl.selector["classifier.bias"], bias))
     assert all(torch.equal(ctrl.selector[k], v) for k, v in body.items())  # the conv stack stays as initialised
     Stub(ctrl, lambda site, data: None if site == "site-3" else lda_answer(ctrl, site, data))
     ctrl.round(1)
-    assert "site-3" in ctrl.missing and torch.allclose(ctrl.selector["classifier.weight"], weight)  # its statistics stay
+    # its statistics stay
+    assert "site-3" in ctrl.missing and torch.allclose(ctrl.selector["classifier.weight"], weight)
 
 
 def test_grace_identical_updates_give_uniform_weights_and_fedavg(tmp_path, monkeypatch):
     ctrl = make("grace", tmp_path, monkeypatch)
     g0 = dict(ctrl.global_state)
-    stub = Stub(ctrl, lambda site, data: FLModel(params=prefixed("global", scaled(unprefixed("global", data.params), 2.0)),
+    stub = Stub(ctrl, lambda site,
+                data: FLModel(params=prefixed("global", scaled(unprefixed("global", data.params), 2.0)),
                                                  metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": 1}))
     ctrl.round(0)
     weights = ctrl.round_metrics["grace_weights"]

@@ -86,7 +86,8 @@ def test_the_best_selector_by_validation_is_the_one_inference_loads(tmp_path, mo
         task, r = stub.sent[-1][0], data.current_round
         if task == "train":
             answer = lda_answer(ctrl, site, data, shift=float(r))  # the statistics differ by round: so do the heads
-            answer.metrics.update({"selector_val_acc": acc[r], "selector_val_nll": nll_with_minimum_at(2.0 if r == 1 else 0.5),
+            answer.metrics.update({"selector_val_acc": acc[r],
+                                   "selector_val_nll": nll_with_minimum_at(2.0 if r == 1 else 0.5),
                                    "val_dice_person": 0.1})
             answer.meta["NUM_STEPS_CURRENT_ROUND"] = n[site]
             return answer
@@ -98,13 +99,15 @@ def test_the_best_selector_by_validation_is_the_one_inference_loads(tmp_path, mo
 
     stub = Stub(ctrl, reply)
     run_job(ctrl)
-    received = [unprefixed("select", d.params) for t, _, d in stub.sent if t == "train"][3:6]  # round 1's, to every site
+    # round 1's, to every site
+    received = [unprefixed("select", d.params) for t, _, d in stub.sent if t == "train"][3:6]
     final = ctrl.store.final()
     assert final["best_selector"]["round"] == 1 and final["best_selector"]["temperature"] == 2.0
     assert final["best_selector"]["input"] == "intensity"
     best = unprefixed("bestselect", final)
     assert all(torch.equal(best[k], received[0][k]) for k in received[0])
-    assert not torch.equal(best["classifier.weight"], unprefixed("select", final)["classifier.weight"])  # not the last one
+    # not the last one
+    assert not torch.equal(best["classifier.weight"], unprefixed("select", final)["classifier.weight"])
     results = json.loads((ctrl.store.root / "results.json").read_text())
     assert results["best_selector_round"] == 1
 
@@ -198,7 +201,8 @@ def test_infer_sets_tau_from_the_inside_validation_then_sends_it_to_the_outside_
     (outside,) = [msg for _, site, msg in sent if site == "site-4"]
     assert outside.meta["familiar_tau"] == tau == 5.0
     final = store.final()
-    expected = lda_gaussians(add_statistics([unprefixed(f"ldastats.{s}", final) for s in ("site-1", "site-2", "site-3")]),
+    expected = lda_gaussians(add_statistics([unprefixed(f"ldastats.{s}", final)
+                                             for s in ("site-1", "site-2", "site-3")]),
                              load_job_config("fedsm_infer")["fedsm"]["lda_shrinkage"])
     for _, _, msg in sent:  # the LDA's Gaussians of the bundle's statistics, to every site
         assert all(torch.equal(unprefixed("familiar", msg.params)[k], expected[k]) for k in ("mean", "precision"))

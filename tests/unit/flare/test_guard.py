@@ -11,7 +11,6 @@ from pflseg.config import ConfigError, load_job_config
 from pflseg.flare.controllers.fedavg import FedAvgController
 from pflseg.flare.guard import result_notes
 from pflseg.flare.state import prefixed, unprefixed
-
 from tests.unit.flare.test_controllers import BATCH, Stub, make, models_of, scaled
 
 N = {"site-1": 10, "site-2": 120, "site-3": 60}  # 12:1 between honest sites, as on the synthetic data
@@ -30,8 +29,10 @@ def honest(site, data, dice=0.5):
 
 def evil(data):
     """Every float 1e30, n_k 1e6, validation Dice 1.0: the issue's attack."""
-    state = {k: (torch.full_like(v, 1e30) if v.is_floating_point() else v) for k, v in unprefixed("global", data.params).items()}
-    return FLModel(params=prefixed("global", state), metrics={"val_dice": 1.0}, meta={"NUM_STEPS_CURRENT_ROUND": 1_000_000})
+    state = {k: (torch.full_like(v, 1e30) if v.is_floating_point() else v) for k,
+             v in unprefixed("global", data.params).items()}
+    return FLModel(params=prefixed("global", state), metrics={"val_dice": 1.0},
+                   meta={"NUM_STEPS_CURRENT_ROUND": 1_000_000})
 
 
 def test_honest_sites_12_to_1_are_neither_capped_nor_left_out(tmp_path, monkeypatch):
@@ -108,7 +109,8 @@ def test_trimmed_mean_drops_the_extremes_of_five_sites(tmp_path, monkeypatch):
     ctrl.sites = [f"site-{i}" for i in range(1, 6)]
     g0 = dict(ctrl.global_state)
     factor = {"site-1": 1.01, "site-2": 1.02, "site-3": 1.03, "site-4": 1.04, "site-5": 1.5}
-    Stub(ctrl, lambda site, data: FLModel(params=prefixed("global", scaled(unprefixed("global", data.params), factor[site])),
+    Stub(ctrl, lambda site,
+         data: FLModel(params=prefixed("global", scaled(unprefixed("global", data.params), factor[site])),
                                           metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": 1}))
     ctrl.round(0)
     key = key_of(g0)
@@ -224,7 +226,8 @@ def test_a_non_finite_aggregate_keeps_the_previous_global_model(tmp_path, monkey
     monkeypatch.setattr(type(ctrl), "aggregate", broken)
     ctrl.run_rounds()
     assert all(torch.equal(ctrl.global_state[k], g0[k]) for k in g0)
-    assert all("not used" in h["aggregate_rejected"] and f"'global_state.{key}'" in h["aggregate_rejected"] for h in ctrl.history)
+    assert all("not used" in h["aggregate_rejected"] and f"'global_state.{key}'" in h["aggregate_rejected"]
+               for h in ctrl.history)
     assert any("kept its previous model" in e for e in errors)
     assert set(result_notes(ctrl)["aggregates_rejected"]) == {"0", "1"}
     saved = ctrl.store.load(1)

@@ -9,7 +9,6 @@ from nvflare.app_common.abstract.fl_model import FLModel
 
 from pflseg.flare.methods import METHODS
 from pflseg.flare.state import load_file, prefixed, save_file, unprefixed
-
 from tests.unit.flare.test_controllers import TINY, Stub, make, scaled
 
 
@@ -60,7 +59,8 @@ def routing(tmp_path, monkeypatch, targets):
     state = {"w": torch.ones(2)}
     bundle = tmp_path / "server" / "iopfl"  # the trained job's state folder, inside this server's state root
     save_file(bundle / "bundle.pt", {"sites": ["site-1", "site-2"], **prefixed("global", state),
-                                                   **prefixed("person.site-1", state), **prefixed("person.site-2", state)})
+                                                   **prefixed("person.site-1", state),
+                                                   **prefixed("person.site-2", state)})
     cfg = load_job_config("iopfl_route", overrides={**TINY, "iopfl": {"bundle": str(bundle), "targets": targets}})
     ctrl = METHODS["iopfl_route"].controller(config=cfg)
     ctrl.sample_clients = lambda: ["site-1", "site-2", "site-3"]
@@ -83,7 +83,8 @@ def test_routing_goes_to_outside_sites_only(tmp_path, monkeypatch, targets):
     assert json.loads((tmp_path / "server" / "iopfl_route" / "results.json").read_text())["targets"] == ["site-3"]
 
 
-@pytest.mark.parametrize("targets, message", [(["site-2"], "site-2 is an inside site"), (["site-9"], "site-9 is not connected")])
+@pytest.mark.parametrize("targets, message",
+                         [(["site-2"], "site-2 is an inside site"), (["site-9"], "site-9 is not connected")])
 def test_routing_refuses_inside_and_unknown_targets(tmp_path, monkeypatch, targets, message):
     stub, panics = routing(tmp_path, monkeypatch, targets)
     assert not stub.sent and len(panics) == 1 and message in panics[0]

@@ -19,7 +19,8 @@ def reply_scaled(site, data, hc=True):
             if not k.startswith(("head.", "calib_head."))}  # a site sends back the shared part only
     params = prefixed("global", body)
     if hc:
-        params.update(prefixed("head", {"weight": torch.full((1, 4, 1, 1), FACTOR[site]), "bias": torch.full((1,), FACTOR[site])}))
+        params.update(prefixed("head", {"weight": torch.full((1, 4, 1, 1), FACTOR[site]),
+                                        "bias": torch.full((1,), FACTOR[site])}))
     return FLModel(params=params, metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": int(10 * FACTOR[site])})
 
 
@@ -28,11 +29,13 @@ def test_lcfed_averages_the_shared_part_with_pcs_and_routes_the_others_heads(tmp
     assert ctrl.cfg["net"]["n_sites"] == 3  # one PCS embedding per connected site
     net = build_net(ctrl.cfg["net"])
     shared, personal = shared_keys(net), personal_keys(net)
-    assert any(k.startswith("pcs.") for k in shared) and personal == ["head.weight", "head.bias", "calib_head.weight", "calib_head.bias"]
+    assert any(k.startswith("pcs.") for k in shared) and personal == ["head.weight", "head.bias", "calib_head.weight",
+                                                                      "calib_head.bias"]
     g0 = dict(ctrl.global_state)
     stub = Stub(ctrl, reply_scaled)
     ctrl.round(0)  # round 0: the full initial model, no heads yet
-    assert all(set(unprefixed("global", d.params)) == set(g0) and not unprefixed("heads", d.params) for _, _, d in stub.sent)
+    assert all(set(unprefixed("global", d.params)) == set(g0) and not unprefixed("heads", d.params) for _, _,
+               d in stub.sent)
     mean = (1.0 + 2.0 + 4.0) / 3  # plain average, not weighted by n_k
     for key in shared:
         if g0[key].is_floating_point():
@@ -45,7 +48,6 @@ def test_lcfed_averages_the_shared_part_with_pcs_and_routes_the_others_heads(tmp
     ctrl.round(1)  # round 1: the shared part only, and every other site's head
     for _, site, data in stub.sent:
         assert set(unprefixed("global", data.params)) == set(shared)
-        got = {k.split(".")[1]: v for k, v in data.params.items() if k.startswith("heads.")}
         others = sorted({k.split(".")[1] for k in data.params if k.startswith("heads.")})
         assert others == sorted(set(FACTOR) - {site})
         assert all(float(unprefixed(f"heads.{o}", data.params)["bias"]) == FACTOR[o] for o in others)
@@ -66,7 +68,8 @@ def test_heads_survive_a_resume(tmp_path, monkeypatch):
 def test_without_hc_and_for_fedrep_no_head_leaves_a_site(tmp_path, monkeypatch):
     for i, (method, over) in enumerate((
             ("lcfed", {"lcfed": {"hc": False}}), ("fedrep", {"net": {**LC["net"], "pcs": False}}),
-            ("lcfed", {"lcfed": {"hc_map": "zeros"}}), ("lcfed", {"lcfed": {"hc_map": "self_uncertainty"}}))):  # HC controls
+            # HC controls
+            ("lcfed", {"lcfed": {"hc_map": "zeros"}}), ("lcfed", {"lcfed": {"hc_map": "self_uncertainty"}}))):
         ctrl = make(method, tmp_path / f"{method}{i}", monkeypatch, **{**LC, **over})
         stub = Stub(ctrl, lambda site, data: reply_scaled(site, data, hc=False))
         ctrl.round(0)

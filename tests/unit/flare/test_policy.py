@@ -54,7 +54,8 @@ def test_what_the_job_asks_and_the_site_forbids_is_refused_naming_key_file_and_f
                                                                                    monkeypatch):
     settings = settings_with(tmp_path, monkeypatch, **policy)
     name = over.pop("method", "fedavg")
-    with pytest.raises(PolicyError, match=rf"site site-1: the site's policy refuses .*policy\.{key}: .*pflseg_site\.json"
+    with pytest.raises(PolicyError,
+                       match=rf"site site-1: the site's policy refuses .*policy\.{key}: .*pflseg_site\.json"
                                           r"\); "):
         check_task("site-1", "train", job(name, **over), THREE, settings, SIMULATOR_JOB_ID)
 
@@ -73,7 +74,8 @@ def test_two_sites_are_refused_in_a_deployment_unless_the_site_allows_it(tmp_pat
     """With K = 2 SoftPull's mix and LC-Fed's equal-weight body give a site the other site's model exactly."""
     settings = settings_with(tmp_path, monkeypatch)
     for name in ("fedsm", "lcfed", "fedavg"):
-        with pytest.raises(PolicyError, match=r"refuses a \w+ job of exactly two sites .*policy\.two_sites: false.*three "
+        with pytest.raises(PolicyError,
+                           match=r"refuses a \w+ job of exactly two sites .*policy\.two_sites: false.*three "
                                               r"or more sites"):
             check_task("site-1", "train", job(name), THREE[:2], settings, PROD)
         check_task("site-1", "train", job(name), THREE, settings, PROD)  # K = 3: allowed

@@ -1,6 +1,7 @@
 import json
 import re
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -44,7 +45,8 @@ def test_no_data_configured_makes_synthetic_data_in_the_workspace(tmp_path, monk
 # ---- pflseg site init / site check -----------------------------------------------------------------------
 @pytest.mark.parametrize("args, problem", [
     (["--data", "{tmp}/nowhere"], r"data location .*nowhere does not exist"),
-    (["--data", "{tmp}/root", "--data-site", "site-9"], r"has no site folder 'site-9' \(it holds \['site-1', 'site-2'\]\)"),
+    (["--data", "{tmp}/root", "--data-site", "site-9"], r"has no site folder 'site-9' \(it holds \['site-1', "
+     r"'site-2'\]\)"),
     (["--data", "{tmp}/root", "--device", "gpu0"], r"device 'gpu0' is not auto, cpu, cuda or cuda:N"),
     (["--data", "{tmp}/root", "--device", "cuda:7"], r"device 'cuda:7': this machine has \d+ CUDA device"),
 ])
@@ -78,3 +80,17 @@ def test_site_init_writes_private_settings_and_site_check_reports_them(tmp_path,
     (root / "site-2" / "datalist.json").unlink()  # the site's data breaks after init: check says so
     assert main(["site", "check", "--site-dir", str(kit)]) == 1
     assert "problem(s):" in capsys.readouterr().out
+
+
+def test_every_setting_and_environment_variable_is_in_the_readmes_one_table():
+    """Before: PFLSEG_STATE_DIR, PFLSEG_THREADS, PFLSEG_SITE_CONFIG, PFLSEG_BUNDLE_ROOTS and the settings
+    data_site, state_dir, threads had no place in the README where a site's IT would look them up."""
+    from pflseg.flare.settings import KEYS
+
+    repo = Path(__file__).resolve().parents[3]
+    code = "\n".join(p.read_text() for p in (repo / "custom/pflseg").rglob("*.py"))
+    variables = set(re.findall(r"PFLSEG_[A-Z_]+[A-Z]", code))
+    rows = [line for line in (repo / "README.md").read_text().splitlines() if line.startswith("| `")]
+    documented = {line.split("`")[1] for line in rows}
+    assert variables >= {"PFLSEG_DATA", "PFLSEG_STATE_DIR", "PFLSEG_BUNDLE_ROOTS"}
+    assert sorted((variables | set(KEYS)) - documented) == []

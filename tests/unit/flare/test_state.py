@@ -127,7 +127,9 @@ def test_a_full_disk_is_a_state_error_naming_the_folder_and_leaves_the_old_file(
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(torch if broken == "save" else os, broken, full)
-    with pytest.raises(StateError, match=rf"round_0001.pt into state folder {re.escape(str(path.parent))}: No space left .*ENOSPC.*free space"):
+    with pytest.raises(StateError,
+                       match=rf"round_0001.pt into state folder {re.escape(str(path.parent))}: No space left "
+                       r".*ENOSPC.*free space"):
         save_file(path, {"round": 1, "w": torch.zeros(2)})
     monkeypatch.undo()
     assert sorted(p.name for p in path.parent.iterdir()) == ["round_0001.pt"]  # no temporary left

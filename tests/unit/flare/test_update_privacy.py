@@ -86,7 +86,8 @@ def test_exclude_vars_on_differences_keeps_the_site_and_the_excluded_keys(tmp_pa
     assert ctrl.missing == {}
     excluded = [k for k in g0 if k.startswith("model.0.")]
     assert excluded and all(torch.equal(ctrl.global_state[k], g0[k]) for k in excluded)
-    moved = next(k for k, v in g0.items() if not k.startswith("model.0.") and v.is_floating_point() and v.abs().sum() > 0)
+    moved = next(k for k,
+                 v in g0.items() if not k.startswith("model.0.") and v.is_floating_point() and v.abs().sum() > 0)
     assert torch.allclose(ctrl.global_state[moved], g0[moved] * 1.001)
 
 
@@ -97,7 +98,8 @@ def test_exclude_vars_on_full_weights_drops_the_site(tmp_path, monkeypatch):
 
 def test_percentile_privacy_on_differences_bounds_the_step_and_keeps_int_buffers(tmp_path, monkeypatch):
     gamma, n_k = 1e-5, 4
-    ctrl, g0 = diff_round(tmp_path, monkeypatch, PercentilePrivacy(percentile=10, gamma=gamma, data_kinds=["WEIGHT_DIFF"]))
+    ctrl, g0 = diff_round(tmp_path, monkeypatch,
+                          PercentilePrivacy(percentile=10, gamma=gamma, data_kinds=["WEIGHT_DIFF"]))
     assert ctrl.missing == {}
     for k, v in g0.items():
         assert ctrl.global_state[k].dtype == v.dtype

@@ -6,8 +6,18 @@ from torch import nn
 
 from pflseg.algorithms.routing import build_routed_model, loss_weights, router_parameters, use_batch_stats
 from pflseg.config import ConfigError, load_job_config
-from pflseg.infer.routing import (METHODS, StaticComparators, adapt, budget, choose_lr, departs, final_loss, route_site,
-                                  settings, tent)
+from pflseg.infer.routing import (
+    METHODS,
+    StaticComparators,
+    adapt,
+    budget,
+    choose_lr,
+    departs,
+    final_loss,
+    route_site,
+    settings,
+    tent,
+)
 from pflseg.nets import build_net
 from pflseg.train.loop import make_loader, seed_everything
 
@@ -59,7 +69,8 @@ def test_comparators_with_batch_statistics_are_the_routed_models_at_step_zero():
     static = StaticComparators(experts)(x)
     only_w_g = StaticComparators([w_g])(x)
     # assert: FedAvg + batch statistics = routing over experts all equal to w_g; average_bn = routing's start
-    assert torch.allclose(only_w_g["global_bn"], torch.sigmoid(build_routed_model([w_g, w_g, w_g]).eval()(x)), atol=1e-5)
+    assert torch.allclose(only_w_g["global_bn"], torch.sigmoid(build_routed_model([w_g, w_g, w_g]).eval()(x)),
+                          atol=1e-5)
     assert torch.allclose(static["global_bn"], only_w_g["global_bn"])
     assert torch.allclose(static["average_bn"], torch.sigmoid(build_routed_model(experts).eval()(x)), atol=1e-5)
     # the two treatments really differ, and the running one is the model as trained
@@ -127,7 +138,8 @@ def test_a_list_of_comparators_scores_routing_and_those_only_and_an_unknown_name
 
 def test_route_site_reports_the_learned_mix_per_layer_in_expert_order(tmp_path):
     experts = nets()
-    res = route_site(experts[:2], experts[2], [sample("a", True), sample("bb", True)], "cpu", {**CFG, "router": "normalised"})
+    res = route_site(experts[:2], experts[2], [sample("a", True), sample("bb", True)], "cpu",
+                     {**CFG, "router": "normalised"})
     assert sorted(res["coefficients"]) == ["routing", "routing_global", "routing_layer"]
     for name, c in res["coefficients"].items():
         assert len(c["mean"]) == 3 and all(len(layer) == 3 for layer in c["layers"])  # P_1, P_2, w_g
@@ -143,7 +155,8 @@ def test_the_step_budget_follows_the_config():
     for cfg, want, visits in (({**CFG, "epochs": 2}, 6, 10), ({**CFG, "epochs": 2, "steps": 7}, 7, 12)):
         routed = build_routed_model(experts)
         # execute
-        run = adapt(routed, router_parameters(routed), data, "cpu", loss_weights("paper"), cfg, 0, 1e-3, budget(len(data), cfg))
+        run = adapt(routed, router_parameters(routed), data, "cpu", loss_weights("paper"), cfg, 0, 1e-3,
+                    budget(len(data), cfg))
         # assert: that many steps, pass after pass (5 images a pass: 6 steps = 2 passes, 7 = 2 passes + 1 batch)
         assert run["steps"] == want and run["visits"] == visits
     res = route_site(experts[:2], experts[2], data, "cpu", {**CFG, "steps": 4}, comparators=False)
@@ -281,7 +294,8 @@ def test_refcode_profile_fills_what_the_config_leaves_open():
     own = settings({**CFG, "router": "refcode", "loss_weights": None, "norm_affine": False, "rot_flip": None})
     assert own["norm_affine"] is False and own["lr_grid"] == [CFG["lr"]]  # an explicit value wins
     paper = settings({**CFG, "loss_weights": None, "norm_affine": None, "rot_flip": None, "lr_grid": [0.1, 0.01]})
-    assert (paper["loss_weights"], paper["norm_affine"], paper["rot_flip"], paper["rest"]) == ("paper", False, False, "average")
+    assert ((paper["loss_weights"], paper["norm_affine"], paper["rot_flip"], paper["rest"])
+            == ("paper", False, False, "average"))
     assert paper["lr_grid"] == [0.1, 0.01] and not paper["normalised"]
     # the rate: the paper's and the reference code's variants keep iopfl.lr; ours (normalised) tries the grid
     open_grid = {**CFG, "lr_grid": None}

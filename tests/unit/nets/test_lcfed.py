@@ -24,7 +24,8 @@ def test_forward_shapes_for_one_and_two_class_outputs(out_channels):
     assert out["embedding"].shape == (2, 6)
     assert out["gate"].shape == out["descriptor"].shape == (2, 8)  # channels of the last encoder stage
     assert ((out["gate"] > 0) & (out["gate"] < 1)).all()
-    assert net.calibrated_logits(out["feature"], torch.zeros(2, out_channels, 32, 48)).shape == (2, out_channels, 32, 48)
+    assert (net.calibrated_logits(out["feature"], torch.zeros(2, out_channels, 32, 48)).shape
+            == (2, out_channels, 32, 48))
 
 
 def test_per_sample_site_indices_give_each_sample_its_site_embedding():
@@ -72,7 +73,8 @@ def test_pcs_parameters_are_averaged_by_average_shared_and_heads_are_not():
     new = average_shared([sa, sb], shared_keys(a))
     assert torch.allclose(new[0]["pcs.fc.weight"], sa["pcs.fc.weight"] + 0.5)
     assert torch.equal(new[0]["pcs.fc.weight"], new[1]["pcs.fc.weight"])
-    assert torch.equal(new[0]["head.weight"], sa["head.weight"]) and torch.equal(new[1]["head.weight"], sb["head.weight"])
+    assert (torch.equal(new[0]["head.weight"], sa["head.weight"])
+            and torch.equal(new[1]["head.weight"], sb["head.weight"]))
     a.load_state_dict(new[0])  # the result is a loadable state
 
 

@@ -47,7 +47,8 @@ def test_evaluate_reports_iou_and_assd_on_request():
 def test_adabn_running_stats_are_the_training_images_and_weights_stay():
     torch.manual_seed(0)
     images = torch.randn(8, 1, 6, 6) * 3 + 2
-    net = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(), nn.Dropout(0.5), nn.Conv2d(3, 1, 1))
+    net = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(), nn.Dropout(0.5),
+                        nn.Conv2d(3, 1, 1))
     with torch.no_grad():
         net[1].weight.uniform_(0.5, 2.0)
         net[1].bias.uniform_(-1.0, 1.0)

@@ -71,7 +71,8 @@ def test_custom_step_replaces_the_default_step():
     model = Scale(1.0)
     seen = []
     hooks = Hooks(step=lambda m, batch, opt, loss_fn: seen.append(batch["image"].shape[0]) or 0.5)
-    out = train_epochs(model, make_loader(Squares(), 4, False), torch.optim.SGD(model.parameters(), lr=1), build_loss("dice"),
+    out = train_epochs(model, make_loader(Squares(), 4, False), torch.optim.SGD(model.parameters(), lr=1),
+                       build_loss("dice"),
                        1, torch.device("cpu"), hooks)
     assert seen == [4, 2] and out["loss"] == 0.5 and model.w.item() == 1.0
 

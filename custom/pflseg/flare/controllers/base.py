@@ -1,23 +1,24 @@
 """Shared machinery of pflseg's server workflows (FLARE ModelController).
 
-A method's controller implements ``round(r)``; this base gives it: ``setup()`` (config, sites, restore), the validated job config, one send per
-site with its own payload (``send_each``), checks of every answer on arrival, min_clients, round
+A method's controller implements ``round(r)``; this base gives it: ``setup()`` (config, sites, restore), the
+validated job config, one send per site with its own payload (``send_each``), checks of every answer on arrival,
+min_clients, round
 checkpoints with resume, best-global tracking on validation Dice, the final validate + test phase and
 ``results.json``. Everything the server keeps between rounds is in the checkpoint, so a stopped job
 resumes from its last completed round.
 
-Trust at the boundary: a site's answer is data from another party. ``send_each`` checks each answer in
-isolation before anything uses it (``check_result``; an answer of FLARE's kind DIFF, ``privacy.update.send: diff``,
-is first added back to what the task sent, ``add_diff``, so every method gets full values either way): the update against the reference the task sent (exact
-keys, shapes, dtypes, storage size, NaN/Inf), n_k (a positive integer, at most ``max_n_samples`` and at
-most the site's first accepted n_k), the metrics the task needs (Dice-like values in [0, 1], every number
-finite). A failing answer leaves that site out of that round with the reason in ``missing``; the others
-complete it, so no single site's answer can end the job or take the aggregate over. A site left out of a
-round is sent the next round's task again (re-admitted when it answers; left out again when it does not).
-What one answer alone cannot show, the round's answers together can (``pflseg.flare.guard``, config section
-``robust``): an update norm far beyond the other sites' leaves that site out too, n_k is capped relative to
-the other sites' n_k, the aggregation rule may be robust (median, trimmed mean), and a non-finite aggregate
-is never used (the previous model stays).
+Trust at the boundary: a site's answer is data from another party. ``send_each`` checks each answer in isolation
+before anything uses it (``check_result``; an answer of FLARE's kind DIFF, ``privacy.update.send: diff``, is first
+added back to what the task sent, ``add_diff``, so every method gets full values either way): the update against the
+reference the task sent (exact keys, shapes, dtypes, storage size, NaN/Inf), n_k (a positive integer, at most
+``max_n_samples`` and at most the site's first accepted n_k), the metrics the task needs (Dice-like values in [0,
+1], every number finite). A failing answer leaves that site out of that round with the reason in ``missing``; the
+others complete it, so no single site's answer can end the job or take the aggregate over. A site left out of a
+round is sent the next round's task again (re-admitted when it answers; left out again when it does not). What one
+answer alone cannot show, the round's answers together can (``pflseg.flare.guard``, config section ``robust``): an
+update norm far beyond the other sites' leaves that site out too, n_k is capped relative to the other sites' n_k,
+the aggregation rule may be robust (median, trimmed mean), and a non-finite aggregate is never used (the previous
+model stays).
 
 Whose state: ``setup`` claims the server's state folder for the FLARE job's id (``pflseg.flare.state.claim``:
 owner recorded, exclusive lock held until the job ends, an earlier job's state of the same name moved aside).
@@ -41,9 +42,19 @@ from nvflare.app_opt.pt.decomposers import TensorDecomposer
 from nvflare.fuel.utils import fobs
 
 from pflseg.config import check_effective
-from pflseg.flare import guard
-from pflseg.flare.state import (RoundStore, StateError, claim, inside, prefixed, release, save_file, state_dir, unprefixed,
-                                write_text)
+from pflseg.flare import guard, metrics_files
+from pflseg.flare.state import (
+    RoundStore,
+    StateError,
+    claim,
+    inside,
+    prefixed,
+    release,
+    save_file,
+    state_dir,
+    unprefixed,
+    write_text,
+)
 from pflseg.nets import build_net, fit_to_sites
 from pflseg.train.loop import seed_everything
 
@@ -266,6 +277,8 @@ class RoundController(ModelController):
             self.history.append({"round": r, "wall_seconds": wall, "site_compute_seconds": compute,
                                  "site_metrics": self.site_metrics, **self.round_metrics})
             self.store.save(r, self.checkpoint(r))
+            rounds_file = self.store.root / metrics_files.FOLDER / metrics_files.ROUNDS  # FLARE's format, each round
+            write_text(rounds_file, metrics_files.round_lines(self.history))
             self.info(f"round {r + 1} done in {wall:.2f} s (site compute max {max(compute.values(), default=0):.2f} s)")
         self.finish()
 
@@ -314,16 +327,19 @@ class RoundController(ModelController):
     def track_best(self, r: int, results: dict[str, FLModel], state: dict) -> None:
         """Keep the global model with the best n_k-weighted validation Dice (scored at the sites; every answer's
         val_dice and n_k were checked on arrival)."""
-        scores = [(res.metrics["val_dice"], res.meta.get("NUM_STEPS_CURRENT_ROUND", 1) or 1) for res in results.values()]
+        scores = [(res.metrics["val_dice"], res.meta.get("NUM_STEPS_CURRENT_ROUND", 1) or 1)
+                  for res in results.values()]
         score = guard.validation_score(scores, self.cfg)  # n_k capped in send_each (guard.screen)
-        self.round_metrics = {"val_dice": {s: res.metrics["val_dice"] for s, res in results.items()}, "val_dice_mean": score}
+        self.round_metrics = {"val_dice": {s: res.metrics["val_dice"] for s, res in results.items()},
+                              "val_dice_mean": score}
         if score > self.best["score"]:
             self.best, self.best_state = {"round": r, "score": score}, dict(state)
 
     def log_scalars(self, tag: str, values: dict[str, float], step: int) -> None:
         """Server-side TensorBoard scalars (``tb_events/<server name>``) through FLARE's analytics receiver."""
         with self.engine.new_context() as fl_ctx:
-            dxo = create_analytic_dxo(tag, {k: float(v) for k, v in values.items()}, AnalyticsDataType.SCALARS, global_step=step)
+            dxo = create_analytic_dxo(tag, {k: float(v) for k, v in values.items()}, AnalyticsDataType.SCALARS,
+                                      global_step=step)
             send_analytic_dxo(self, dxo, fl_ctx)
 
     # ---- messaging ------------------------------------------------------------------------------
@@ -347,7 +363,8 @@ class RoundController(ModelController):
             results[result.meta.get("client_name", "?")] = result
 
         for site, data in payloads.items():
-            self.send_model(task_name=task, data=data, targets=[site], timeout=self.cfg["task_timeout"], callback=collect)
+            self.send_model(task_name=task, data=data, targets=[site], timeout=self.cfg["task_timeout"],
+                            callback=collect)
         while self.get_num_standing_tasks():
             if self.abort_signal.triggered:
                 return {}
@@ -360,7 +377,8 @@ class RoundController(ModelController):
             if res is None:
                 reason = "no result (site failed, disconnected or timed out)"
             else:  # differences (privacy.update.send: diff, FLARE filters) become full values first
-                reason = self.restored(res, payloads[site].params or {}, reference) or self.checked(task, site, res, reference)
+                reason = self.restored(res, payloads[site].params
+                                       or {}, reference) or self.checked(task, site, res, reference)
             if reason:
                 self.error(f"{task}: site {site} left out of this round: {reason}")
                 self.missing[site] = reason
@@ -461,9 +479,11 @@ class RoundController(ModelController):
             save_file(self.store.final_path, self.checkpoint(last))  # the models the final test scores, for bundles
             tested = self.send_each("test", {s: self.message(last, best) for s in self.sites})
             results = {
-                "job": self.cfg["name"], "method": self.cfg["method"], "rounds": self.cfg["rounds"], "sites": self.sites,
+                "job": self.cfg["name"], "method": self.cfg["method"], "rounds": self.cfg["rounds"],
+                "sites": self.sites,
                 "best_global_round": self.best["round"], "missing": self.missing, "history": self.history,
-                "test": {s: res.metrics["test"] for s, res in tested.items()}, "config": self.cfg, **self.extra_results(),
+                "test": {s: res.metrics["test"] for s, res in tested.items()}, "config": self.cfg,
+                **self.extra_results(),
                 **guard.result_notes(self),
             }
             self.after_test(results)
@@ -474,10 +494,16 @@ class RoundController(ModelController):
             self.write_results(results)
 
     def write_results(self, results: dict) -> None:
-        """``results.json`` into the server's state folder and FLARE's run folder, each written atomically."""
+        """``results.json`` into the server's state folder and FLARE's run folder, each written atomically; beside
+        it FLARE's ``metrics/metrics_summary.json`` and ``metrics/round_metrics.jsonl`` (after training)."""
         text = json.dumps(results, indent=1, sort_keys=True)
+        summary = metrics_files.summary(results)  # and FLARE 2.9's metrics/ files (pflseg.flare.metrics_files)
         for folder in (self.store.root, Path(self.get_run_dir())):
             write_text(folder / "results.json", text)
+            if summary is not None:
+                write_text(folder / metrics_files.FOLDER / metrics_files.SUMMARY, json.dumps(summary, indent=2))
+                write_text(folder / metrics_files.FOLDER / metrics_files.ROUNDS,
+                           metrics_files.round_lines(results["history"]))
         self.info(f"results written to {self.store.root / 'results.json'}")
 
 
@@ -518,10 +544,12 @@ class PostTrainingController(RoundController):
         environment, never the job). The job's submitter cannot make the server read files elsewhere."""
         section, name = key.split(".")
         value = self.cfg[section][name]
-        roots = [self.store.root.parent] + [Path(p) for p in os.environ.get("PFLSEG_BUNDLE_ROOTS", "").split(os.pathsep) if p]
+        roots = [self.store.root.parent] + [Path(p)
+                                            for p in os.environ.get("PFLSEG_BUNDLE_ROOTS", "").split(os.pathsep) if p]
         if value and not any(inside(value, root) for root in roots):
             extra = f" or in $PFLSEG_BUNDLE_ROOTS ({', '.join(map(str, roots[1:]))})" if roots[1:] else ""
-            raise ValueError(f"{key}={value!r} is not a folder inside the server's state root {roots[0]}{extra}: a bundle "
+            raise ValueError(f"{key}={value!r} is not a folder inside the server's state root {roots[0]}{extra}: a "
+                             "bundle "
                              "must be a trained job's server state folder of this deployment (the server's operator "
                              "may allow more folders with PFLSEG_BUNDLE_ROOTS)")
         return Path(value)

@@ -7,8 +7,8 @@ n_k-weighted mean of the full state (``pflseg.algorithms.fedavg.weighted_average
 
 from __future__ import annotations
 
-from pflseg.flare.controllers.base import RoundController
 from pflseg.flare import guard
+from pflseg.flare.controllers.base import RoundController
 from pflseg.flare.state import prefixed, unprefixed
 
 

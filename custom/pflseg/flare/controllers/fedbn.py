@@ -18,7 +18,8 @@ class FedBNController(FedAvgController):
     def check_config(cls, cfg: dict) -> None:
         if cfg["net"]["norm"] != "batch":
             raise ConfigError(f"method fedbn keeps each site's batch-norm layers at the site, but net.norm="
-                              f"{cfg['net']['norm']!r} gives the net none (FedBN would be FedAvg): set net.norm: batch, "
+                              f"{cfg['net']['norm']!r} gives the net none (FedBN would be FedAvg): set net.norm: "
+                              "batch, "
                               "or run method fedavg")
 
     def shared_keys(self) -> list[str]:

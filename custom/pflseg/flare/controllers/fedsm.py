@@ -87,7 +87,8 @@ class FedSMController(RoundController):
             self.selector = unprefixed("select", ckpt)
             self.moments = unprefixed("moment", ckpt)
             self.person = {s: unprefixed(f"person.{s}", ckpt) for s in self.sites}
-            self.lda_stats = {s: unprefixed(f"ldastats.{s}", ckpt) for s in self.sites if unprefixed(f"ldastats.{s}", ckpt)}
+            self.lda_stats = {s: unprefixed(f"ldastats.{s}", ckpt) for s in self.sites
+                              if unprefixed(f"ldastats.{s}", ckpt)}
             self.best_selector = dict(ckpt.get("best_selector", self.best_selector))
             self.best_selector_state = unprefixed("bestselect", ckpt)
         self.best_person = {s: {"round": -1, "score": -1.0} for s in self.sites}
@@ -104,9 +105,11 @@ class FedSMController(RoundController):
         self.selector_ref = selector_reference(selector, self.cfg["fedsm"])
 
     def checkpoint(self, r: int) -> dict:
-        flat = lambda name, states: {k: v for s in states for k, v in prefixed(f"{name}.{s}", states[s]).items()}  # noqa: E731
+        flat = lambda name, states: {k: v for s in states  # noqa: E731
+                                     for k, v in prefixed(f"{name}.{s}", states[s]).items()}
         return {**super().checkpoint(r), **prefixed("select", self.selector), **prefixed("moment", self.moments),
-                **flat("person", self.person), **flat("bestperson", self.best_person_state), "best_person": self.best_person,
+                **flat("person", self.person), **flat("bestperson", self.best_person_state),
+                "best_person": self.best_person,
                 **flat("ldastats", self.lda_stats), **prefixed("bestselect", self.best_selector_state),
                 "best_selector": self.best_selector}
 
@@ -164,7 +167,8 @@ class FedSMController(RoundController):
         stats = unprefixed("stats", res.params)
         count, gram, n_k = stats["count"], stats["gram"], res.meta["NUM_STEPS_CURRENT_ROUND"]
         if (count < 0).any() or not torch.equal(count, count.round()) or int(count.sum()) != n_k:
-            return f"selector statistics: class counts {count.tolist()} are not whole, non-negative and summing to n_k = {n_k}"
+            return (f"selector statistics: class counts {count.tolist()} are not whole, non-negative and summing to "
+                    f"n_k = {n_k}")
         if not torch.allclose(gram, gram.T) or (gram.diagonal() < 0).any():
             return "selector statistics: the Gram matrix is not symmetric with a non-negative diagonal"
         return None
@@ -189,7 +193,8 @@ class FedSMController(RoundController):
             self.selector, self.moments = pooled_adam_step(self.selector, grads, self.moments, fedsm["selector_lr"])
         else:
             weights = [res.meta["NUM_STEPS_CURRENT_ROUND"] for res in results.values()]
-            self.selector = guard.aggregate(self.cfg, [unprefixed("select", res.params) for res in results.values()], weights)
+            self.selector = guard.aggregate(self.cfg, [unprefixed("select", res.params) for res in results.values()],
+                                            weights)
             self.moments = average_moments([unprefixed("moment", res.params) for res in results.values()], weights,
                                            **guard.robust_args(self.cfg))
 
@@ -200,11 +205,13 @@ class FedSMController(RoundController):
         common = {**prefixed("global", self.global_state), **self.selector_payload()}
         payloads = {s: self.message(r, {**common, **prefixed("person", self.person[s])}, selector_label=k)
                     for k, s in enumerate(self.sites)}
-        reference = {**prefixed("global", self.global_state), **prefixed("person", self.global_state), **self.selector_ref}
+        reference = {**prefixed("global", self.global_state), **prefixed("person", self.global_state),
+                     **self.selector_ref}
         results = self.send_each("train", payloads, reference=reference)
         self.track_best(r, results, self.global_state)
         weights = [res.meta["NUM_STEPS_CURRENT_ROUND"] for res in results.values()]
-        self.global_state = guard.aggregate(self.cfg, [unprefixed("global", res.params) for res in results.values()], weights)
+        self.global_state = guard.aggregate(self.cfg, [unprefixed("global", res.params) for res in results.values()],
+                                            weights)
         self.fit_selector(results)
         trained = {s: unprefixed("person", res.params) for s, res in results.items()}
         mixed = softpull([trained.get(s, self.person[s]) for s in self.sites], self.cfg["fedsm"]["lam"])
@@ -213,7 +220,8 @@ class FedSMController(RoundController):
 
     def extra_round(self, r: int) -> dict:
         """FedSM-extra: only the (K+1)-class selector trains; every site gets all personalized models."""
-        if r == self.cfg["rounds"]:  # a fresh selector over {global, personalized 1..K}: fresh moments, statistics, best
+        # a fresh selector over {global, personalized 1..K}: fresh moments, statistics, best
+        if r == self.cfg["rounds"]:
             torch.manual_seed(self.cfg["seed"] + 1)
             self.use_selector(build_selector(selector_cfg(self.cfg, len(self.sites) + 1)))
             self.moments, self.lda_stats = {}, {}
@@ -275,7 +283,8 @@ class FedSMInferenceController(PostTrainingController):
         best = unprefixed("best", ckpt) or unprefixed("global", ckpt)
         selector = unprefixed("bestselect", ckpt) or unprefixed("select", ckpt)
         info = dict(ckpt.get("best_selector") or {}) if unprefixed("bestselect", ckpt) else {}
-        meta = {"selector_temperature": float(info.get("temperature", 1.0)), "selector_input": info.get("input", "zscore")}
+        meta = {"selector_temperature": float(info.get("temperature", 1.0)),
+                "selector_input": info.get("input", "zscore")}
         familiar, why_not = self.familiarity(ckpt, inside, selector)
         payload = {**prefixed("global", best), **person, **prefixed("select", selector)}
         self.info(f"super model from {source}: inside sites {inside}; selector of round {info.get('round', 'last')} "
@@ -316,7 +325,8 @@ class FedSMInferenceController(PostTrainingController):
         pooled, weight = add_statistics(stats), selector.get("classifier.weight")
         if weight is None or tuple(pooled["sum"].shape) != tuple(weight.shape):
             shape = None if weight is None else tuple(weight.shape)
-            return {}, (f"the bundle's LDA statistics (classes x features {tuple(pooled['sum'].shape)}) do not describe "
+            return {}, (f"the bundle's LDA statistics (classes x features {tuple(pooled['sum'].shape)}) do not "
+                        "describe "
                         f"its selector's head ({shape}): the selector alone routes every image")
         return lda_gaussians(pooled, fedsm["lda_shrinkage"]), ""
 
@@ -340,8 +350,9 @@ class FedSMInferenceController(PostTrainingController):
 
 def choose_gamma(infer: dict) -> dict:
     """The gamma with the best mean super-model Dice on the inside sites' VALIDATION splits (never test), and
-    every site's test Dice at it: ``{"gamma_selected", "gamma_validation": {gamma: mean}, "test_at_gamma": {site: dice}}``.
-    FedSM-extra has no gamma (empty dict)."""
+    every site's test Dice at it:
+    ``{"gamma_selected", "gamma_validation": {gamma: mean}, "test_at_gamma": {site: dice}}``. FedSM-extra has no gamma
+    (empty dict)."""
     val = [r["validation"] for r in infer.values() if r.get("validation")]
     gammas = [g for g in (val[0] if val else {}) if g != "extra"]
     if not gammas:
@@ -363,8 +374,9 @@ def selection_report(infer: dict, inside: list[str], reference: float, selected:
         key = str(float(gamma)) if gamma is not None else None
         sites = {s: r["super"][key] for s, r in infer.items() if key in r.get("super", {})}
         if sites:
-            out[which] = {"gamma": float(gamma), "sites": {s: {"dice": e["dice"], "selected": dict(zip(names, e["selected"]))}
-                                                           for s, e in sites.items()}}
+            out[which] = {"gamma": float(gamma),
+                          "sites": {s: {"dice": e["dice"], "selected": dict(zip(names, e["selected"]))}
+                                    for s, e in sites.items()}}
     return {"super_at_gamma": out} if out else {}
 
 

@@ -47,15 +47,18 @@ class IOPFLRoutingController(PostTrainingController):
         iopfl = self.cfg["iopfl"]
         path = self.bundle_folder("iopfl.bundle") / BUNDLE
         if not iopfl["bundle"] or not path.is_file():
-            raise ValueError(f"iopfl.bundle={iopfl['bundle']!r} holds no {BUNDLE}; set it to the trained IOP-FL run's server "
+            raise ValueError(f"iopfl.bundle={iopfl['bundle']!r} holds no {BUNDLE}; set it to the trained IOP-FL run's "
+                             "server "
                              "state folder (e.g. runs/iopfl/state/server/iopfl), trained with iopfl.publish: true")
         bundle = load_file(path)
         inside = list(bundle["sites"])
         targets = list(iopfl["targets"]) or [s for s in self.sites if s not in inside]
         problems = [f"{t} is an inside site (trained in the federation)" for t in targets if t in inside]
-        problems += [f"{t} is not connected (connected: {self.sites})" for t in targets if t not in inside and t not in self.sites]
+        problems += [f"{t} is not connected (connected: {self.sites})" for t in targets if t not in inside
+                     and t not in self.sites]
         if problems or not targets:
-            raise ValueError("iopfl.targets: " + ("; ".join(problems) or f"no outside site connected (inside: {inside})")
+            raise ValueError("iopfl.targets: "
+                             + ("; ".join(problems) or f"no outside site connected (inside: {inside})")
                              + ". Test-time routing runs at outside sites only: list those in iopfl.targets")
         payload = {k: v for k, v in bundle.items() if k.startswith(("global.", "person."))}
         self.info(f"routing bundle {path}: experts P_k of {inside} + global; sending to {targets}")

@@ -30,7 +30,8 @@ class LCFedController(FedAvgController):
     @classmethod
     def check_config(cls, cfg: dict) -> None:
         if cfg["net"]["name"] != "lcfed":
-            raise ConfigError(f"method {cfg['method']} needs net.name: lcfed (personal heads), got {cfg['net']['name']!r}")
+            raise ConfigError(f"method {cfg['method']} needs net.name: lcfed (personal heads), got "
+                              f"{cfg['net']['name']!r}")
 
     def shares_heads(self) -> bool:
         """Whether coarse heads are exchanged: HC on with the paper's disagreement map (``lcfed.hc_map``); the
@@ -80,7 +81,8 @@ class LCFedController(FedAvgController):
         results = self.send_each("train", payloads, reference=reference)
         self.track_best(r, results, self.global_state)
         states = [unprefixed("global", res.params) for res in results.values()]
-        self.global_state.update({k: v for k, v in average_shared(states, keys, **robust_args(self.cfg))[0].items() if k in keys})
+        self.global_state.update({k: v for k,
+                                  v in average_shared(states, keys, **robust_args(self.cfg))[0].items() if k in keys})
         if self.shares_heads():
             down = sum(nbytes(unprefixed("heads", p.params)) for s, p in payloads.items() if s in results)
             for site, res in results.items():

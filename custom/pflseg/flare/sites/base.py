@@ -38,10 +38,19 @@ from pflseg.flare.privacy import Pseudonyms, public_error, public_metrics, write
 from pflseg.flare.settings import resolve_data, site_settings
 from pflseg.flare.state import RoundStore, StateError, claim, load_file, prefixed, save_file, state_dir, unprefixed
 from pflseg.nets import build_net
+from pflseg.train import (
+    Hooks,
+    build_loss,
+    build_optimizer,
+    derive_seed,
+    evaluate,
+    make_loader,
+    pick_device,
+    seed_everything,
+    train_epochs,
+)
 from pflseg.train.evaluate import adabn, batch_norms
 from pflseg.train.overlays import write_overlays
-from pflseg.train import Hooks, build_loss, build_optimizer, derive_seed, evaluate, make_loader, pick_device, seed_everything, train_epochs
-
 
 log = logging.getLogger("pflseg.client")
 
@@ -86,7 +95,8 @@ class Site:
         info = load_dataset_info(self.root)
         if len(info["classes"]) != cfg["net"]["out_channels"] or info["in_channels"] != cfg["net"]["in_channels"]:
             raise DataError(
-                f"site {name}: data {self.root} has {info['in_channels']} image channel(s) and classes {info['classes']}, "
+                f"site {name}: data {self.root} has {info['in_channels']} image channel(s) and classes "
+                f"{info['classes']}, "
                 f"but the job's network takes net.in_channels={cfg['net']['in_channels']} and predicts "
                 f"net.out_channels={cfg['net']['out_channels']}; use a job config made for this data"
             )
@@ -219,7 +229,8 @@ class Site:
         metrics = self.evaluate(model)
         best = load_file(self.best_path) if self.best_path.is_file() else None
         if best is None or metrics["dice"] > best["score"]:
-            save_file(self.best_path, {"round": round_num, "score": metrics["dice"], **prefixed("model", cpu_state(model))})
+            save_file(self.best_path,
+                      {"round": round_num, "score": metrics["dice"], **prefixed("model", cpu_state(model))})
         return metrics
 
     def score_before(self, model, round_num: int) -> dict:
@@ -242,7 +253,8 @@ class Site:
             loss=None, batch_size: int | None = None, extra: torch.nn.Module | None = None,
             epochs: int | None = None) -> tuple[dict, dict]:
         """Train ``model`` with the one loop; Adam state ``optim.<name>`` carried over from ``prev``; ``extra``
-        (e.g. GRACE's domain discriminator) trains in a second parameter group. Returns (loop stats, optimizer state)."""
+        (e.g. GRACE's domain discriminator) trains in a second parameter group. Returns (loop stats, optimizer
+        state)."""
         cfg = self.cfg["train"]
         state = prev.get(f"optim.{name}") if cfg["keep_optimizer_state"] else None
         if extra is not None:
@@ -250,7 +262,8 @@ class Site:
         optimizer = build_optimizer(model, self.device, lr or cfg["lr"], state,
                                     extra=list(extra.parameters()) if extra is not None else None)
         loader = make_loader(self.data("training"), batch_size or cfg["batch_size"], shuffle=True, seed=seed)
-        stats = train_epochs(model, loader, optimizer, loss or build_loss(cfg["loss"]), epochs or cfg["epochs"], self.device, hooks)
+        stats = train_epochs(model, loader, optimizer, loss or build_loss(cfg["loss"]), epochs or cfg["epochs"],
+                             self.device, hooks)
         return stats, optimizer.state_dict()
 
     def reply(self, params: dict, metrics: dict, n_samples: int | None = None, received: FLModel | None = None,

@@ -68,7 +68,7 @@ class FedSMSite(Site):
     def train(self, msg: FLModel) -> FLModel:
         """Train the global model and this site's personalized model; score the received selector and send this
         site's part of its fit (label k)."""
-        r, cfg = msg.current_round, self.cfg
+        r = msg.current_round
         seed, prev = self.begin_round(r)
         person = self.personalized_model(msg.params)
         val_p = self.track(person, r)  # the site's own best model is its personalized one
@@ -78,14 +78,16 @@ class FedSMSite(Site):
         stats, optim_g = self.fit(glob, "global", prev, seed)
         _, optim_p = self.fit(person, "person", prev, seed)
         labels_of = self.site_labels(int(msg.meta["selector_label"]))
-        selector = self.received_selector(msg.params, len(self.sites))  # the federation's selector, as used at inference
+        # the federation's selector, as used at inference
+        selector = self.received_selector(msg.params, len(self.sites))
         scored = self.score_selector(selector, labels_of)  # before it is fitted on: the received one
         sel_params, sel_metrics = self.fit_selector(selector, labels_of, msg, seed)
         train_s = time.time() - t0
         self.store.save(r, {"round": r, "optim.global": optim_g, "optim.person": optim_p})
         params = {**prefixed("global", cpu_state(glob)), **prefixed("person", cpu_state(person)), **sel_params}
         metrics = {"val_dice": val_g["dice"], "val_dice_person": val_p["dice"], "train_loss": stats["loss"],
-                   **scored, **sel_metrics, "train_seconds": train_s, "n_samples": stats["samples"], "steps": stats["steps"]}
+                   **scored, **sel_metrics, "train_seconds": train_s, "n_samples": stats["samples"],
+                   "steps": stats["steps"]}
         return self.reply(params, metrics, stats["samples"], received=msg)
 
     def site_labels(self, label: int):
@@ -172,7 +174,8 @@ class FedSMSite(Site):
             return float(loss.detach())
 
         loader = make_loader(self.data("training"), cfg["train"]["batch_size"], shuffle=True, seed=seed)
-        stats = train_epochs(selector, loader, optimizer, None, cfg["fedsm"]["selector_epochs"], self.device, Hooks(step=step))
+        stats = train_epochs(selector, loader, optimizer, None, cfg["fedsm"]["selector_epochs"], self.device,
+                             Hooks(step=step))
         local = self.score_selector(selector, labels_of, local=True)
         moments = flatten_optimizer_state(optimizer.state_dict())
         params = {**prefixed("select", cpu_state(selector)), **prefixed("moment", moments)}
@@ -239,7 +242,8 @@ class FedSMInferenceSite(Site):
         selector = build_selector(selector_cfg(self.cfg, classes, head=head))
         selector.load_state_dict(select)
         fedsm, own = self.cfg["fedsm"], inside.index(self.name) if self.name in inside else None
-        common = dict(gammas=fedsm["gammas"], own_index=own, extra=extra, batch_size=self.cfg["train"]["eval_batch_size"],
+        common = dict(gammas=fedsm["gammas"], own_index=own, extra=extra,
+                      batch_size=self.cfg["train"]["eval_batch_size"],
                       selector_input=msg.meta.get("selector_input", "zscore"),
                       temperature=float(msg.meta.get("selector_temperature", 1.0)))
         familiarity = unprefixed("familiar", msg.params) or None

@@ -11,8 +11,8 @@ the site during training. At the end ``submit_model`` hands out the best P_k (on
 the job publishes the routing bundle, ``iopfl.publish``); ``test`` scores the server's best global model
 and the best P_k on the test split.
 
-Routing (job ``iopfl_route``, ``IOPFLRoutingSite``, task ``route``): an outside site receives the bundle {P_1..P_K, w_g},
-adapts on all of its images without labels, writes the routed predictions into its state folder
+Routing (job ``iopfl_route``, ``IOPFLRoutingSite``, task ``route``): an outside site receives the bundle
+{P_1..P_K, w_g}, adapts on all of its images without labels, writes the routed predictions into its state folder
 (``predictions/``) and returns the Dice of routing and of its comparators where labels exist.
 """
 
@@ -24,14 +24,13 @@ from nvflare.app_common.abstract.fl_model import FLModel
 
 from pflseg.algorithms.iopfl import update_person
 from pflseg.data import load_dataset_info
-from pflseg.infer.routing import route_site
 from pflseg.flare.policy import check_publish
 from pflseg.flare.settings import site_settings
 from pflseg.flare.sites.base import Site, cpu_state
 from pflseg.flare.state import load_file, prefixed, unprefixed
+from pflseg.infer.routing import route_site
 from pflseg.nets import build_net
 from pflseg.train import derive_seed
-
 
 
 class IOPFLSite(Site):
@@ -65,7 +64,8 @@ class IOPFLSite(Site):
         net = build_net(cfg["net"])
         net.load_state_dict(person)
         val_p = self.track(net, r)  # best.pt = the best P_k by validation Dice
-        self.store.save(r, {"round": r, "optim.model": optim, **prefixed("person", person), **prefixed("globalin", glob)})
+        self.store.save(r,
+                        {"round": r, "optim.model": optim, **prefixed("person", person), **prefixed("globalin", glob)})
         metrics = {"val_dice": val_g["dice"], "val_dice_person": val_p["dice"], "train_loss": stats["loss"],
                    "train_seconds": train_s, "n_samples": stats["samples"], "steps": stats["steps"]}
         if round_test:
@@ -81,7 +81,8 @@ class IOPFLSite(Site):
         (``iopfl.publish``) and the site's policy lets it leave (``pflseg.flare.policy.check_publish``)."""
         check_publish(self.name, self.cfg, site_settings(self.name))
         best = load_file(self.best_path)
-        return FLModel(params=prefixed("site", unprefixed("model", best)), meta={"site": self.name, "round": best["round"]})
+        return FLModel(params=prefixed("site", unprefixed("model", best)),
+                       meta={"site": self.name, "round": best["round"]})
 
 
 class IOPFLRoutingSite(Site):
@@ -105,5 +106,6 @@ class IOPFLRoutingSite(Site):
                             seed=derive_seed(self.cfg["seed"], self.name, "route"),
                             out_dir=self.store.root / "predictions",
                             label_encoding=load_dataset_info(self.root)["label_encoding"],
-                            comparators=self.cfg["iopfl"]["comparators"], batch_size=self.cfg["train"]["eval_batch_size"])
+                            comparators=self.cfg["iopfl"]["comparators"],
+                            batch_size=self.cfg["train"]["eval_batch_size"])
         return self.reply({}, {"route": result})

@@ -7,14 +7,14 @@ its coarse head. The site's personalized model is the best by validation Dice of
 (received shared part + own heads) and after each round's local training, kept in ``best.pt`` with the
 other sites' heads it was scored with: the freshly averaged body often does not fit the site's own heads
 yet, the locally trained one does. (Scoring both also makes a resumed job choose among exactly the same
-models as an uninterrupted one: the final ``validate`` task scores the "before" model of the next round.) The site's prediction is the calibrated head's (HC on) or the coarse head's
-(``SitePredictor``). ``lcfed.head_first_iters`` > 0 (a count) or ``lcfed.head_first_fraction`` > 0 (of the
-round's local iterations, ``head_first_count``) trains the personal heads alone for that many iterations of
-the round, then the body alone (FedRep / reference-code schedule). ``lcfed.hc_map`` picks what HC's head is fed:
-the paper's disagreement of all sites' coarse heads (the only map that needs the other heads: the site sends its
-own and receives theirs), or the controls ``zeros`` (no calibration, a second plain head) and ``self_uncertainty``
-(p (1 - p) of its own coarse head), which exchange no head. NMS and Gaussian windows scale with the image side
-(``lcfed.window_ref_size``, ``pflseg.algorithms.lcfed.scaled_window``).
+models as an uninterrupted one: the final ``validate`` task scores the "before" model of the next round.) The
+site's prediction is the calibrated head's (HC on) or the coarse head's (``SitePredictor``). ``lcfed.head_first_iters``
+> 0 (a count) or ``lcfed.head_first_fraction`` > 0 (of the round's local iterations, ``head_first_count``) trains the
+personal heads alone for that many iterations of the round, then the body alone (FedRep / reference-code schedule).
+``lcfed.hc_map`` picks what HC's head is fed: the paper's disagreement of all sites' coarse heads (the only map that
+needs the other heads: the site sends its own and receives theirs), or the controls ``zeros`` (no calibration, a second
+plain head) and ``self_uncertainty`` (p (1 - p) of its own coarse head), which exchange no head. NMS and Gaussian
+windows scale with the image side (``lcfed.window_ref_size``, ``pflseg.algorithms.lcfed.scaled_window``).
 """
 
 from __future__ import annotations
@@ -60,8 +60,10 @@ class LCFedSite(Site):
     def step_config(self) -> dict:
         """The step's settings for this job."""
         lc, on = self.cfg["lcfed"], self.calibrated
-        return {"lam": lc["lam"] if on else 0.0, "hc": on and lc["hc"], "hc_map": lc["hc_map"], "nms_window": lc["nms_window"],
-                "nms_threshold": lc["nms_threshold"], "gauss_size": lc["gauss_size"], "gauss_sigma": lc["gauss_sigma"] or None,
+        return {"lam": lc["lam"] if on else 0.0, "hc": on and lc["hc"], "hc_map": lc["hc_map"],
+                "nms_window": lc["nms_window"],
+                "nms_threshold": lc["nms_threshold"], "gauss_size": lc["gauss_size"],
+                "gauss_sigma": lc["gauss_sigma"] or None,
                 "window_ref_size": lc["window_ref_size"], "contrast_on": lc["contrast_on"]}
 
     def previous(self, r: int) -> dict:
@@ -69,7 +71,8 @@ class LCFedSite(Site):
         out of is skipped, an unreadable file falls back to the round before it)."""
         state = self.latest_state(r)[1]
         if r > 0 and not state and not self.joins_late(r):
-            raise RuntimeError(f"site {self.name}: no state before round {r} in {self.store.root} (its heads live there); "
+            raise RuntimeError(f"site {self.name}: no state before round {r} in {self.store.root} (its heads live "
+                               "there); "
                                "the site state was removed or the job was resumed at another site")
         return state
 
@@ -105,7 +108,8 @@ class LCFedSite(Site):
             if n_head:
                 set_phase(model, "head" if done[0] < n_head else "body")
             done[0] += 1
-            return lcfed_step(model, batch, optimizer, loss_fn, list(heads.values()), self.k, n_sites, self.step_cfg)["loss"]
+            return lcfed_step(model, batch, optimizer, loss_fn, list(heads.values()), self.k, n_sites,
+                              self.step_cfg)["loss"]
 
         return Hooks(step=step)
 

@@ -12,7 +12,8 @@ class LocalSite(Site):
 
     def model_for_round(self, received: dict, round_num: int):
         own = self.require_own(round_num)
-        self.net.load_state_dict({**self.net.state_dict(), **(own if own is not None else unprefixed("global", received))})
+        self.net.load_state_dict({**self.net.state_dict(),
+                                  **(own if own is not None else unprefixed("global", received))})
         return self.net
 
     def upload(self, trained: dict) -> dict:

@@ -36,9 +36,11 @@ def test_a_site_that_missed_a_round_continues_from_its_latest_completed_state(me
         if method == "iopfl":
             p0 = unprefixed("person", fed.store().load(0))
             out = site.train(msg(2))
-            expected = update_person("ema", p0, unprefixed("global", out.params), fed.initial, None, fed.cfg["iopfl"]["tau"])
+            expected = update_person("ema", p0, unprefixed("global", out.params), fed.initial, None,
+                                     fed.cfg["iopfl"]["tau"])
             p2 = unprefixed("person", fed.store().load(2))
-            assert all(torch.allclose(p2[k], expected[k], atol=1e-6) for k in expected if expected[k].is_floating_point())
+            assert all(torch.allclose(p2[k], expected[k], atol=1e-6) for k in expected
+                       if expected[k].is_floating_point())
         else:
             keys = norm_keys(site.net) if method == "fedbn" else list(own_model(fed, 0))
             model = site.model_for_round(msg(2).params, 2)
@@ -103,7 +105,8 @@ def test_a_full_disk_is_an_error_reply_naming_the_folder_and_the_site_goes_on(br
         m.setattr(torch if broken == "save" else os, broken, full)
         out, site = answer("site-1", "train", fed.message(1), site)
     error = out.meta["pflseg_error"]
-    assert error.startswith("site site-1: could not write ") and "into state folder <state>/fedbn: No space left" in error
+    assert (error.startswith("site site-1: could not write ")
+            and "into state folder <state>/fedbn: No space left" in error)
     assert "ENOSPC" in error and str(fed.state) not in error
     assert not list(fed.store().root.glob("*.tmp")) and fed.store().rounds() == [0]
     with caplog.at_level(logging.INFO, logger="pflseg.client"):

@@ -23,7 +23,8 @@ def test_fedprox_term_pulls_the_update_towards_the_received_model(federation):
     drift = {}
     for name, fed in (("free", free), ("prox", prox)):
         out = fed.site().train(fed.message(0)).params
-        drift[name] = sum(float((out[f"global.{k}"] - v).pow(2).sum()) for k, v in fed.initial.items() if v.is_floating_point())
+        drift[name] = sum(float((out[f"global.{k}"] - v).pow(2).sum()) for k,
+                          v in fed.initial.items() if v.is_floating_point())
     assert 0 < drift["prox"] < drift["free"]
 
 
@@ -52,4 +53,5 @@ def test_final_test_scores_the_global_model_after_adabn_where_it_has_batch_norm(
         test = site.test(fed.message(1)).metrics["test"]
         assert ("global_adabn" in test) == scored and 0.0 <= test["global"]["dice"] <= 1.0
         if scored:
-            assert 0.0 <= test["global_adabn"]["dice"] <= 1.0 and test["global_adabn"]["n_cases"] == test["global"]["n_cases"]
+            assert (0.0 <= test["global_adabn"]["dice"] <= 1.0
+                    and test["global_adabn"]["n_cases"] == test["global"]["n_cases"])

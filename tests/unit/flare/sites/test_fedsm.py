@@ -31,7 +31,8 @@ def test_sends_global_personalized_and_its_part_of_the_selector_fit(federation, 
         n = len(fed.site().data("training"))
         assert out.params["stats.gram"].shape == (128, 128) and out.params["stats.count"].tolist() == [n, 0]
     if mode is EPOCH:
-        assert keys_of(out.params, "grad") == {k for k, _ in build_selector(selector_cfg(fed.cfg, 2)).named_parameters()}
+        assert keys_of(out.params, "grad") == {k for k,
+                                               _ in build_selector(selector_cfg(fed.cfg, 2)).named_parameters()}
     if mode is BATCH:
         assert keys_of(out.params, "select") == set(selector) and keys_of(out.params, "moment")
     saved = fed.store().load(0)
@@ -40,7 +41,8 @@ def test_sends_global_personalized_and_its_part_of_the_selector_fit(federation, 
 
 
 def test_epoch_mode_sends_the_summed_gradient_of_its_images_seen_by_intensity(federation, monkeypatch):
-    monkeypatch.setitem(SELECTOR_DEFAULTS["compact"], "dropout", 0.0)  # no random dropout masks: a deterministic gradient
+    # no random dropout masks: a deterministic gradient
+    monkeypatch.setitem(SELECTOR_DEFAULTS["compact"], "dropout", 0.0)
     fed = federation("fedsm", fedsm=EPOCH)
     msg, selector_state = first_message(fed, label=1)
     site = fed.site("site-2")
@@ -71,7 +73,8 @@ def test_two_rounds_of_fedsm_on_cuda(federation, monkeypatch):
     monkeypatch.setenv("PFLSEG_DEVICE", "cuda")
     msg, _ = first_message(fed)
     first = fed.site().train(msg)
-    second = fed.site().train(fed.message(1, dict(first.params), selector_label=0))  # moments, optimizer state from round 0
+    # moments, optimizer state from round 0
+    second = fed.site().train(fed.message(1, dict(first.params), selector_label=0))
     assert keys_of(second.params, "moment") and all(v.device.type == "cpu" for v in second.params.values())
     saved = fed.store().load(1)
     assert optimizer_tensors_on(saved["optim.person"]) == {"cuda"}  # saved from the GPU optimizer
@@ -79,7 +82,8 @@ def test_two_rounds_of_fedsm_on_cuda(federation, monkeypatch):
 
 def test_selector_accuracy_on_validation_is_reported_every_round(federation):
     fed = federation("fedsm")
-    assert {k: fed.cfg["fedsm"][k] for k in ("selector_fit", "selector_input", "selector_steps", "selector_epochs")} == {
+    assert {k: fed.cfg["fedsm"][k]
+            for k in ("selector_fit", "selector_input", "selector_steps", "selector_epochs")} == {
         "selector_fit": "lda", "selector_input": "intensity", "selector_steps": "epoch", "selector_epochs": 1}
     msg, _ = first_message(fed, label=1)
     out = fed.site("site-2").train(msg)
@@ -95,7 +99,8 @@ def test_selector_accuracy_on_validation_is_reported_every_round(federation):
 def test_extra_selector_round_fits_the_k_plus_one_class_selector(federation, mode):
     fed = federation("fedsm", fedsm={**mode, "extra_rounds": 1})
     selector = build_selector(selector_cfg(fed.cfg, 3)).state_dict()  # K + 1 = 3 classes: global, site-1, site-2
-    models = {k: v for name in ("global", "person.site-1", "person.site-2") for k, v in prefixed(name, fed.initial).items()}
+    models = {k: v for name in ("global", "person.site-1", "person.site-2") for k,
+              v in prefixed(name, fed.initial).items()}
     out = fed.site().train_selector(fed.message(2, {**models, **prefixed("select", selector)}))
     n = len(fed.site().data("training"))
     if mode is LDA:

@@ -59,4 +59,5 @@ def test_task_and_alignment_losses_are_reported_per_round(federation, job, over,
     assert {"task_loss", "align_loss"} & set(m) == reported
     if reported:  # train_loss is the round's mean L_meta = L_task + beta * L_align over the same batches
         beta = fed.cfg["grace"]["beta"]
-        assert m["task_loss"] > 0 and m["task_loss"] + beta * m.get("align_loss", 0.0) == pytest.approx(m["train_loss"], rel=1e-6)
+        assert (m["task_loss"] > 0 and m["task_loss"]
+                + beta * m.get("align_loss", 0.0) == pytest.approx(m["train_loss"], rel=1e-6))

@@ -27,12 +27,14 @@ def test_hc_controls_calibrate_without_sending_a_head(federation, job, hc_map):
     site = fed.site()
     assert site.step_cfg["hc"] is True and site.step_cfg["hc_map"] == hc_map
     out = site.train(fed.message(0))
-    assert keys_of(out.params, "global") == set(shared_keys(build_net(fed.cfg["net"]))) and not keys_of(out.params, "head")
+    assert (keys_of(out.params, "global") == set(shared_keys(build_net(fed.cfg["net"])))
+            and not keys_of(out.params, "head"))
 
 
 def test_windows_are_given_at_the_papers_image_size(federation):
     cfg = federation("lcfed", **LC).site().step_cfg
-    assert (cfg["nms_window"], cfg["gauss_size"], cfg["window_ref_size"], cfg["hc_map"]) == (11, 11, 384, "disagreement")
+    assert ((cfg["nms_window"], cfg["gauss_size"], cfg["window_ref_size"], cfg["hc_map"])
+            == (11, 11, 384, "disagreement"))
 
 
 def test_unknown_hc_map_is_a_config_error():
@@ -43,7 +45,8 @@ def test_unknown_hc_map_is_a_config_error():
 def test_fedrep_sends_no_head(federation):
     fed = federation("fedrep", **LC)
     out = fed.site().train(fed.message(0))
-    assert keys_of(out.params, "global") == set(shared_keys(build_net(fed.cfg["net"]))) and not keys_of(out.params, "head")
+    assert (keys_of(out.params, "global") == set(shared_keys(build_net(fed.cfg["net"])))
+            and not keys_of(out.params, "head"))
     assert fed.site().step_cfg["hc"] is False and fed.site().step_cfg["lam"] == 0.0
 
 

@@ -156,8 +156,10 @@ def iopfl_route(federation):
     return fed, run.replies
 
 
-SCENARIOS = {"fedavg": fedavg_like("fedavg"), "fedbn": fedavg_like("fedbn"), "grace": fedavg_like("grace"), "local": local,
-             "iopfl": iopfl, "fedsm": fedsm, "lcfed": lcfed, "ft": ft, "fedsm_infer": fedsm_infer, "iopfl_route": iopfl_route}
+SCENARIOS = {"fedavg": fedavg_like("fedavg"), "fedbn": fedavg_like("fedbn"), "grace": fedavg_like("grace"),
+             "local": local,
+             "iopfl": iopfl, "fedsm": fedsm, "lcfed": lcfed, "ft": ft, "fedsm_infer": fedsm_infer,
+             "iopfl_route": iopfl_route}
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
@@ -220,7 +222,8 @@ def test_public_text_keeps_the_last_component_of_absolute_paths(text, expected):
 
 def test_public_text_names_state_paths_relative_to_the_state_root(tmp_path):
     text = f"could not write round_0001.pt into state folder {tmp_path / 'site-1' / 'fedbn'}: No space left"
-    assert public_text(text, tmp_path / "site-1") == "could not write round_0001.pt into state folder <state>/fedbn: No space left"
+    assert (public_text(text, tmp_path / "site-1") == "could not write round_0001.pt into state folder <state>/fedbn: "
+            "No space left")
 
 
 # ---- errors: codes, counts and pseudonyms leave the site; the detail stays in its local log ----------------

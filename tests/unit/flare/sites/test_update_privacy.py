@@ -42,7 +42,8 @@ def test_diff_sends_trained_minus_received_and_the_server_gets_the_model_back(fe
     ints = [k for k, v in trained.items() if not v.is_floating_point()]
     assert ints and all(out.params[k].dtype == torch.int64 for k in ints)
     assert add_diff(out, msg.params, msg.params) is None
-    assert all(torch.allclose(out.params[k], v, atol=1e-6) and out.params[k].dtype == v.dtype for k, v in trained.items())
+    assert all(torch.allclose(out.params[k], v, atol=1e-6) and out.params[k].dtype == v.dtype for k,
+               v in trained.items())
 
 
 @pytest.mark.parametrize("send", ["weights", "diff"])
@@ -69,7 +70,8 @@ def test_noise_is_sigma_c_reproducible_per_site_and_round_and_secret_seeded(fede
     assert all(torch.equal(first.params[k], again.params[k]) for k in first.params)  # same site, round: same noise
     other = fed.site("site-2").dp_generator(0)
     assert not torch.equal(torch.randn(8, generator=site.dp_generator(0)), torch.randn(8, generator=other))
-    assert not torch.equal(torch.randn(8, generator=site.dp_generator(0)), torch.randn(8, generator=site.dp_generator(1)))
+    assert not torch.equal(torch.randn(8, generator=site.dp_generator(0)),
+                           torch.randn(8, generator=site.dp_generator(1)))
     # the seed comes from the site's salt, not from anything the server knows: another salt, other noise
     (site.store.root.parent / "privacy_salt").write_text("ab" * 32)
     site.pseudonyms._salt = None
