@@ -8,8 +8,8 @@ Every participant runs its provisioned kit's own ``startup/sub_start.sh --once``
 without the restart watchdog) in its own process session; the workspace has its own HOME and job storage.
 ``federation.json`` in the workspace records the processes (pid, start time and command line), so ``pflseg deploy
 stop`` can stop a federation that ``pflseg deploy local`` left running; a recorded pid that now belongs to another
-process (the pid was reused after a reboot or a crash) is left alone: only a process with the recorded start time
-and command line is signalled.
+process (the pid was reused after a reboot or a crash) is left alone: only a process with the recorded pid and
+start time is signalled.
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ class LocalFederation:
 
     def _participants(self, names) -> list[psutil.Process]:
         """The live processes of the recorded participants ``names`` that are still what this federation started:
-        the recorded start time and command line (a record without them, from an older pflseg: a command line
+        the recorded pid with the recorded start time (a record without it, from an older pflseg: a command line
         naming this federation's kits). A pid now used by another process is named in the progress and left out."""
         out = []
         for name in names:
@@ -224,8 +224,9 @@ class LocalFederation:
             try:
                 proc = psutil.Process(pid)
                 cmdline = proc.cmdline()
-                ours = (abs(proc.create_time() - seen["create_time"]) < 1e-3 and cmdline == seen["cmdline"]
-                        if seen else any(str(self.kits) in arg for arg in cmdline))
+                # pid + start time name one process (its command line may change: the kit's script execs)
+                ours = (abs(proc.create_time() - seen["create_time"]) < 1e-3 if seen
+                        else any(str(self.kits) in arg for arg in cmdline))
             except (psutil.Error, TypeError, ValueError):  # gone (or no pid recorded): nothing to signal
                 continue
             if ours:
