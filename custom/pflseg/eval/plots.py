@@ -14,7 +14,6 @@ import json
 from pathlib import Path
 
 from pflseg.eval.tables import METRIC_COLUMNS, infer_table, metric_rows, metric_table, route_table
-from pflseg.flare.controllers.cross_site import matrix_markdown
 
 PLOTS_HINT = 'no plots: matplotlib is not installed (pip install -e ".[plots]")'
 
@@ -130,11 +129,12 @@ def write_results(results: dict, workspace: str | Path) -> list[str]:
         written.append(out / f"{job}.md")
         for folder in sorted((workspace / "state").glob(f"*/{job}/predictions")):
             lines.append(f"predictions at {folder.parent.parent.name}: {folder}")
-    if "cross_site" in results:  # the cross-site matrix: FLARE's cross_val_results.json and its table
-        xs = results["cross_site"]
-        (out / "cross_val_results.json").write_text(json.dumps(xs["matrix"], indent=2, sort_keys=True) + "\n")
-        (out / f"{job}.md").write_text(matrix_markdown(xs["matrix"], xs["models"], xs["notes"]) + "\n")
-        written += [out / "cross_val_results.json", out / f"{job}.md"]
+    if "report" in results:  # a job's own report (e.g. cross_site: FLARE's cross_val_results.json and its table)
+        for name, content in results["report"].get("files", {}).items():
+            (out / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+            written.append(out / name)
+        (out / f"{job}.md").write_text(results["report"]["markdown"] + "\n")
+        written.append(out / f"{job}.md")
     if results.get("test"):
         rows = metric_rows(results)
         (out / "test.md").write_text(metric_table(rows) + "\n")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pflseg.eval.markdown import markdown_table
-from pflseg.flare.controllers.cross_site import matrix_markdown
 from pflseg.flare.methods import METHODS
 from pflseg.infer.routing import LABELS as ROUTE_LABELS
 from pflseg.infer.routing import METHODS as ROUTE_METHODS
@@ -103,11 +102,10 @@ def route_table(results: dict) -> str:
 
 def run_tables(results: dict, job: str) -> list[str]:
     """What ``pflseg run`` prints for job ``job``'s results.json: a post-training job's own table (its results'
-    ``route`` section: the outside sites' routing table; ``infer``: FedSM inference; ``cross_site``: the cross-site
-    matrix), else the per-site Dice table and the timing line."""
-    if "cross_site" in results:
-        xs = results["cross_site"]
-        return [matrix_markdown(xs["matrix"], xs["models"], xs["notes"])]
+    ``report``: the Markdown the job wrote for itself, e.g. the cross-site matrix; ``route``: the outside sites'
+    routing table; ``infer``: FedSM inference), else the per-site Dice table and the timing line."""
+    if "report" in results:
+        return [results["report"]["markdown"]]
     if "route" in results:
         return [route_table(results)]
     if "infer" in results:

@@ -7,6 +7,8 @@ import torch
 from nvflare.app_common.abstract.fl_model import FLModel
 
 from pflseg.config import load_job_config
+from pflseg.eval.plots import write_results
+from pflseg.eval.tables import run_tables
 from pflseg.flare.methods import METHODS
 from pflseg.flare.state import prefixed, save_file
 from pflseg.nets import build_net
@@ -67,6 +69,12 @@ def test_a_global_method_fills_the_global_column_at_every_site_in_flares_shape(t
     assert results["cross_site"]["matrix"] == flare and results["cross_site"]["models"] == ["global"]
     md = (tmp_path / "server" / "cross_site" / "cross_val_results.md").read_text()
     assert "| site \\ model | global |" in md and "| site-3 | 0.3100 |" in md
+    # what `pflseg run` prints and writes comes from the job's own report, not from a branch on the job's name
+    assert results["report"] == {"markdown": md.rstrip("\n"), "files": {"cross_val_results.json": flare}}
+    assert run_tables(results, "cross_site") == [md.rstrip("\n")]
+    write_results({**results, "job": "cross_site"}, tmp_path / "ws")
+    assert json.loads((tmp_path / "ws" / "results" / "cross_val_results.json").read_text()) == flare
+    assert (tmp_path / "ws" / "results" / "cross_site.md").read_text() == md
 
 
 def test_server_held_personalized_models_go_to_every_site(tmp_path, monkeypatch):

@@ -80,8 +80,10 @@ class CrossSiteController(PostTrainingController):
             matrix.setdefault(site, {})[site] = cell
         matrix = {s: {m: row[m] for m in names if m in row} for s, row in sorted(matrix.items())}
         self.write_matrix(matrix, names, notes)
+        # ``report``: what any post-training job may carry for `pflseg run` to print and write (eval names no job)
         return {"cross_site": {"trained": {"job": trained["job"], "method": trained["method"], "bundle": str(folder)},
-                               "models": names, "matrix": matrix, "notes": notes}}
+                               "models": names, "matrix": matrix, "notes": notes},
+                "report": {"markdown": matrix_markdown(matrix, names, notes), "files": {RESULTS: matrix}}}
 
     def adopt(self, trained_cfg: dict) -> list[str]:
         """The trained run's ``net`` and ``data`` sections replace this job's (its models are that network, scored
