@@ -19,7 +19,8 @@ NAME_RULE = "^[A-Za-z0-9_-]+$"
 
 #: Bounds of the values that size memory or run time at the server and the sites: a job's config comes from
 #: whoever submits the job, and one absurd value must not exhaust a site. Dotted key -> (lowest, highest);
-#: a list value (net.channels) is bounded entry by entry.
+#: a list value (net.channels) is bounded entry by entry. The common keys only: a method's own keys are bounded by
+#: its controller (``ranges``, checked by ``check_config`` with ``check_ranges``).
 RANGES = {
     "rounds": (1, 10_000),
     "max_n_samples": (1, 1_000_000_000),
@@ -32,18 +33,6 @@ RANGES = {
     "train.epochs": (1, 1000),
     "train.batch_size": (1, 1024),
     "train.eval_batch_size": (1, 1024),
-    "fedsm.extra_rounds": (0, 10_000),
-    "fedsm.selector_epochs": (1, 1000),
-    "iopfl.epochs": (1, 1000),
-    "iopfl.steps": (0, 1_000_000),
-    "iopfl.lr_trial_steps": (0, 1_000_000),
-    "iopfl.batch_size": (1, 1024),
-    "iopfl.shape_radius": (1, 64),
-    "lcfed.nms_window": (1, 255),
-    "lcfed.gauss_size": (1, 255),
-    "lcfed.window_ref_size": (0, 1024),
-    "lcfed.head_first_iters": (0, 1_000_000),
-    "ft.epochs": (0, 1000),
 }
 MAX_NET_LEVELS = 8  # entries of net.channels / net.strides
 #: Joint bounds of the segmentation network: its parameter count (counted on torch's meta device, nothing is
@@ -114,9 +103,16 @@ def merge(base: Mapping, override: Mapping, source: str = "override", prefix: st
 
 #: keys that take true / false or a list (iopfl.comparators: every method, routing only, or these)
 BOOL_OR_LIST = {"iopfl.comparators"}
+#: ``train.amp``: mixed precision of the sites' forward passes (``pflseg.train.loop.amp_dtype``)
+AMP_MODES = ("off", "bf16", "fp16")
+#: string keys whose value "off" YAML reads as false when unquoted (``amp: off``, ``--set train.amp=off``): false
+#: is taken as "off"; true is left for ``validate`` to refuse by name
+OFF_STRINGS = {"train.amp"}
 
 
 def _coerce(default, value, dotted: str, source: str):
+    if dotted in OFF_STRINGS and isinstance(value, bool):
+        return value or "off"
     if default is None or value is None or (dotted in BOOL_OR_LIST and isinstance(value, (bool, list))):
         return value
     if isinstance(default, bool):
@@ -147,9 +143,11 @@ def check_name(name, source: str = "config") -> str:
     return name
 
 
-def check_ranges(cfg: Mapping, source: str = "config") -> None:
-    """Every ``RANGES`` key inside its bounds (ConfigError naming the key, the value and the bound)."""
-    for dotted, (low, high) in RANGES.items():
+def check_ranges(cfg: Mapping, source: str = "config", ranges: Mapping | None = None,
+                 table: str = "pflseg.config.RANGES") -> None:
+    """Every key of ``ranges`` (``RANGES`` when None; a method's own: its controller's ``ranges``) inside its bounds
+    (ConfigError naming the key, the value, the bound and ``table``, where the bound is set)."""
+    for dotted, (low, high) in (RANGES if ranges is None else ranges).items():
         node = cfg
         for part in dotted.split("."):
             if not isinstance(node, Mapping) or part not in node:
@@ -160,13 +158,9 @@ def check_ranges(cfg: Mapping, source: str = "config") -> None:
                 raise ConfigError(f"{source}: {dotted}={node!r} must be an integer (entries of a list too)")
             if value > high:
                 raise ConfigError(f"{source}: {dotted}={node!r} exceeds the cap {high} (values that size memory or "
-                                  "run time are bounded, see pflseg.config.RANGES)")
+                                  f"run time are bounded, see {table})")
             if value < low:
                 raise ConfigError(f"{source}: {dotted}={node!r} must be >= {low}")
-    net = cfg["net"]
-    if len(net["channels"]) > MAX_NET_LEVELS or len(net["strides"]) > MAX_NET_LEVELS:
-        raise ConfigError(f"{source}: net.channels / net.strides have {len(net['channels'])} / {len(net['strides'])} "
-                          f"entries, which exceeds the cap {MAX_NET_LEVELS}")
 
 
 def activation_bytes(cfg: Mapping, batch: int, training: bool = True) -> float:
@@ -223,94 +217,49 @@ def check_net_budget(cfg: Mapping, source: str = "config") -> None:
                           "levels (net.channels) or fewer residual units (net.num_res_units)")
 
 
+def value_at(cfg: Mapping, dotted: str):
+    """``cfg``'s value of a dotted key (``"fedsm.lam"``)."""
+    node = cfg
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def check_lr(cfg: Mapping, dotted: str, source: str = "config") -> None:
+    """The value of ``dotted`` (``train.lr``, a method's own rate) a learning rate in (0, 10]."""
+    value = value_at(cfg, dotted)
+    if isinstance(value, bool) or not 0.0 < value <= 10.0:  # also NaN
+        raise ConfigError(f"{source}: {dotted} must be a learning rate in (0, 10], got {value!r}")
+
+
+def check_choice(cfg: Mapping, dotted: str, allowed, source: str = "config") -> None:
+    """The value of ``dotted`` one of ``allowed`` (None written as null)."""
+    value = value_at(cfg, dotted)
+    if value not in allowed:
+        names = ", ".join("null" if a is None else str(a) for a in allowed)
+        raise ConfigError(f"{source}: {dotted} must be one of {names}, got {value!r}")
+
+
 def validate(cfg: Mapping, source: str = "config") -> None:
-    """Check values that types alone cannot (ranges, choices). The method name and the method's own rules
-    are checked against the registry, ``pflseg.flare.methods.method``, where a job is built or run."""
+    """Check the common keys' values that types alone cannot (ranges, choices). The method name and the method's own
+    sections (ranges and rules: its controller's ``check_config``) are checked by the registry,
+    ``pflseg.flare.methods.method``, wherever a job is built, run or received: this layer knows no method."""
     check_ranges(cfg, source)
+    net = cfg["net"]
+    if len(net["channels"]) > MAX_NET_LEVELS or len(net["strides"]) > MAX_NET_LEVELS:
+        raise ConfigError(f"{source}: net.channels / net.strides have {len(net['channels'])} / {len(net['strides'])} "
+                          f"entries, which exceeds the cap {MAX_NET_LEVELS}")
     if cfg["min_clients"] < 1:
         raise ConfigError(f"{source}: min_clients must be >= 1, got {cfg['min_clients']}")
     if cfg["data"]["synth_task"] not in ("prostate", "fundus"):
         raise ConfigError(f"{source}: data.synth_task must be prostate or fundus, got {cfg['data']['synth_task']!r}")
     if cfg["train"]["loss"] not in ("dice", "dice_ce"):
         raise ConfigError(f"{source}: train.loss must be dice or dice_ce, got {cfg['train']['loss']!r}")
-    for key, value in (("train.lr", cfg["train"]["lr"]), ("fedsm.selector_lr", cfg["fedsm"]["selector_lr"]),
-                       ("grace.inner_lr", cfg["grace"]["inner_lr"]), ("grace.eta_g", cfg["grace"]["eta_g"])):
-        if isinstance(value, bool) or not 0.0 < value <= 10.0:  # also NaN
-            raise ConfigError(f"{source}: {key} must be a learning rate in (0, 10], got {value!r}")
+    if cfg["train"]["amp"] not in AMP_MODES:
+        raise ConfigError(f"{source}: train.amp must be one of {', '.join(AMP_MODES)} (YAML reads a bare on / yes as "
+                          f"true: write bf16 or fp16), got {cfg['train']['amp']!r}")
+    check_lr(cfg, "train.lr", source)
     check_net_budget(cfg, source)
-    fedsm = cfg["fedsm"]
-    if not 0.0 <= fedsm["lam"] <= 1.0 or not 0.0 <= fedsm["gamma"] <= 1.0:
-        raise ConfigError(f"{source}: fedsm.lam and fedsm.gamma must lie in [0, 1], got {fedsm['lam']}, "
-                          f"{fedsm['gamma']}")
-    if fedsm["selector"] not in ("compact", "vgg11") or fedsm["selector_steps"] not in ("epoch", "batch"):
-        raise ConfigError(f"{source}: fedsm.selector must be compact|vgg11 and fedsm.selector_steps epoch|batch")
-    for key, allowed in {"selector_fit": ("lda", "softmax"), "selector_input": ("intensity", "zscore")}.items():
-        if fedsm[key] not in allowed:
-            raise ConfigError(f"{source}: fedsm.{key} must be one of {', '.join(allowed)}, got {fedsm[key]!r}")
-    if not 0.0 < fedsm["lda_shrinkage"] <= 1.0:
-        raise ConfigError(f"{source}: fedsm.lda_shrinkage must lie in (0, 1], got {fedsm['lda_shrinkage']}")
-    if fedsm["selector_steps"] == "epoch" and fedsm["selector_epochs"] != 1:
-        raise ConfigError(f"{source}: fedsm.selector_epochs={fedsm['selector_epochs']} needs fedsm.selector_steps: "
-                          "batch; "
-                          "epoch mode takes exactly one full-batch step per round, on the server, on the pooled "
-                          "gradient")
-    if any(not 0.0 <= g <= 1.0 for g in fedsm["gammas"]):
-        raise ConfigError(f"{source}: every fedsm.gammas value must lie in [0, 1], got {fedsm['gammas']}")
-    if not 0.0 < fedsm["familiar_quantile"] <= 1.0:
-        raise ConfigError(f"{source}: fedsm.familiar_quantile must lie in (0, 1] (1 = the largest inside validation "
-                          f"distance), got {fedsm['familiar_quantile']}")
-    grace = cfg["grace"]
-    choices = {"similarity": ("total", "split", "reweight"), "self_similarity": ("include", "exclude"),
-               "align": ("coral", "mmd", "adv"), "inner_step": ("adam", "sgd")}
-    for key, allowed in choices.items():
-        if grace[key] not in allowed:
-            raise ConfigError(f"{source}: grace.{key} must be one of {', '.join(allowed)}, got {grace[key]!r}")
-    iopfl = cfg["iopfl"]
-    choices = {"rule": ("ema", "paper_eq4"), "router": ("paper", "normalised", "refcode", "model", "layer_global"),
-               "loss_weights": (None, "paper", "refcode"), "rest": (None, "average", "global")}
-    for key, allowed in choices.items():
-        if iopfl[key] not in allowed:
-            names = ", ".join("null" if a is None else a for a in allowed)
-            raise ConfigError(f"{source}: iopfl.{key} must be one of {names}, got {iopfl[key]!r}")
-    for key in ("norm_affine", "rot_flip"):  # null = the router variant's own
-        if iopfl[key] is not None and not isinstance(iopfl[key], bool):
-            raise ConfigError(f"{source}: iopfl.{key} must be true, false or null, got {iopfl[key]!r}")
-    grid = iopfl["lr_grid"]  # null = the router variant's own
-    if grid is not None and (not isinstance(grid, list) or len(grid) > 8 or any(
-            isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0 for x in grid)):
-        raise ConfigError(f"{source}: iopfl.lr_grid must be null or a list of at most 8 positive learning rates "
-                          f"([] = iopfl.lr), got {grid!r}")
-    guard = iopfl["lr_guard"]  # null = the router variant's own; 0 = no collapse guard
-    if guard is not None and (isinstance(guard, bool) or not isinstance(guard, (int, float)) or not 0 <= guard <= 10):
-        raise ConfigError(f"{source}: iopfl.lr_guard must be null or a relative tolerance in [0, 10] (0 = no collapse "
-                          f"guard), got {guard!r}")
-    comparators = iopfl["comparators"]
-    if not isinstance(comparators, bool) and not (isinstance(comparators, list)
-                                                  and all(isinstance(m, str) for m in comparators)):
-        raise ConfigError(f"{source}: iopfl.comparators must be true, false or a list of method names (e.g. "
-                          f"[global, global_bn, tent]), got {comparators!r}")
-    if isinstance(iopfl["lr"], bool) or not iopfl["lr"] >= 0:
-        raise ConfigError(f"{source}: iopfl.lr must be >= 0, got {iopfl['lr']!r}")
-    if not 0.0 <= iopfl["tau"] <= 1.0:
-        raise ConfigError(f"{source}: iopfl.tau must lie in [0, 1], got {iopfl['tau']}")
-    lcfed = cfg["lcfed"]
-    if lcfed["contrast_on"] not in ("gate", "gate_all", "embedding"):
-        raise ConfigError(f"{source}: lcfed.contrast_on must be one of gate, gate_all, embedding, got "
-                          f"{lcfed['contrast_on']!r}")
-    if lcfed["hc_map"] not in ("disagreement", "zeros", "self_uncertainty"):
-        raise ConfigError(f"{source}: lcfed.hc_map must be one of disagreement, zeros, self_uncertainty, "
-                          f"got {lcfed['hc_map']!r}")
-    if lcfed["lam"] < 0 or lcfed["head_first_iters"] < 0 or not 0.0 <= lcfed["nms_threshold"] < 1.0:
-        raise ConfigError(f"{source}: lcfed.lam and lcfed.head_first_iters must be >= 0, lcfed.nms_threshold in [0, 1)")
-    if not 0.0 <= lcfed["head_first_fraction"] <= 1.0:
-        raise ConfigError(f"{source}: lcfed.head_first_fraction must lie in [0, 1], got {lcfed['head_first_fraction']}")
-    if lcfed["head_first_iters"] and lcfed["head_first_fraction"]:
-        raise ConfigError(f"{source}: set one of lcfed.head_first_iters ({lcfed['head_first_iters']}) and "
-                          f"lcfed.head_first_fraction ({lcfed['head_first_fraction']}), not both: set the other to 0")
-    if any(lcfed[k] < 1 or lcfed[k] % 2 == 0 for k in ("nms_window", "gauss_size")) or lcfed["gauss_sigma"] < 0:
-        raise ConfigError(f"{source}: lcfed.nms_window and lcfed.gauss_size must be odd >= 1, lcfed.gauss_sigma >= 0")
-    if cfg["fedprox"]["mu"] < 0:
-        raise ConfigError(f"{source}: fedprox.mu must be >= 0, got {cfg['fedprox']['mu']}")
     robust = cfg["robust"]
     if robust["aggregation"] not in ("mean", "median", "trimmed_mean"):
         raise ConfigError(f"{source}: robust.aggregation must be one of mean, median, trimmed_mean, got "
@@ -324,6 +273,13 @@ def validate(cfg: Mapping, source: str = "config") -> None:
                               f"sites' median; an honest site may be that many times the others), got {robust[key]}")
     check_update_privacy(cfg["privacy"]["update"], source)
     check_tracking(cfg["tracking"], source)
+    if cfg["site"]["executor"] not in SITE_EXECUTORS:
+        raise ConfigError(f"{source}: site.executor must be one of {', '.join(SITE_EXECUTORS)}, got "
+                          f"{cfg['site']['executor']!r}")
+
+
+#: ``site.executor``: what runs a site's tasks (``pflseg.flare.jobs.site_executor``)
+SITE_EXECUTORS = ("executor", "client_api")
 
 
 #: ``privacy.update.filters`` entries: a FLARE filter class by its dotted path, under the key ``filter`` (FLARE's
@@ -333,20 +289,27 @@ FILTER_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$"
 
 #: ``tracking.receivers``: name -> the module its FLARE receiver needs at the server, the pip command that brings it
 TRACKERS = {"tensorboard": ("tensorboard", 'pip install tensorboard'),
-            "mlflow": ("mlflow", 'pip install "pflseg[tracking]"  (or: pip install "mlflow>=2.10,<3")')}
+            "mlflow": ("mlflow", 'pip install "pflseg[tracking]"  (or: pip install "mlflow>=2.10,<3")'),
+            "wandb": ("wandb", 'pip install "pflseg[tracking]"  (or: pip install "wandb>=0.19,<1")')}
+#: ``tracking.wandb_mode`` values (W&B's own modes; offline writes locally and never touches the network)
+WANDB_MODES = ("offline", "online")
 
 
 def check_tracking(tracking: Mapping, source: str = "config") -> None:
-    """``tracking``: receivers a list of distinct TRACKERS names; mlflow_uri, experiment null or a non-empty string."""
+    """``tracking``: receivers a list of distinct TRACKERS names; mlflow_uri, experiment, wandb_dir null or a non-empty
+    string; wandb_mode one of WANDB_MODES."""
     receivers = tracking["receivers"]
     if (not isinstance(receivers, list) or any(r not in TRACKERS for r in receivers)
             or len(set(receivers)) != len(receivers)):
         raise ConfigError(f"{source}: tracking.receivers must be a list of distinct names out of {', '.join(TRACKERS)} "
                           f"([] = none), got {receivers!r}")
-    for key in ("mlflow_uri", "experiment"):
+    for key in ("mlflow_uri", "experiment", "wandb_dir"):
         value = tracking[key]
         if value is not None and (not isinstance(value, str) or not value.strip()):
             raise ConfigError(f"{source}: tracking.{key} must be null or a non-empty string, got {value!r}")
+    if tracking["wandb_mode"] not in WANDB_MODES:
+        raise ConfigError(f"{source}: tracking.wandb_mode must be one of {', '.join(WANDB_MODES)}, got "
+                          f"{tracking['wandb_mode']!r}")
 
 
 def check_trackers_installed(tracking: Mapping, source: str = "config") -> None:

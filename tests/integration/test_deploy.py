@@ -1,18 +1,22 @@
 """A provisioned 3-site federation on loopback, started once for the module: jobs submitted through the
-FLARE API in package mode (FedAvg, FedBN), refusals (a lead's BYOC job, a shell command at another
-organisation's site, a user without the right, a client from another project), a straggler beyond the task
-timeout, a site restarted mid-job, and a shutdown that leaves no process behind. Tests run in file order on
-the one federation. The server SIGKILLed mid-round and a site dead for good: test_deploy_faults.py (its own
-federation)."""
+FLARE API in package mode (FedAvg, FedBN; FedAvg also as a recipe on FLARE's ProdEnv), refusals (a lead's BYOC
+job, a shell command at another organisation's site, a user without the right, a client from another project), a
+straggler beyond the task timeout, a site restarted mid-job, and a shutdown that leaves no process behind. Tests
+run in file order on the one federation. The server SIGKILLed mid-round and a site dead for good:
+test_deploy_faults.py (its own federation)."""
 
+import json
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
+from nvflare.recipe import ProdEnv
 
 from pflseg.deploy.submit import SubmitError, submit
-from tests.integration.federation import SITES, check_per_site, federation, job, on_round, rounds_of
+from pflseg.flare.recipes import FedAvgRecipe
+from tests.integration.federation import SITES, TINY, check_per_site, federation, job, on_round, rounds_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deploy")]  # one worker: shared module fixture
 
@@ -29,6 +33,16 @@ def test_package_mode_fedavg(fed, tmp_path):
     check_per_site(res, SITES)
     assert [h["round"] for h in res["history"]] == [0, 1] and not res["missing"]
     assert all(0.0 <= res["test"][s]["global"]["dice"] <= 1.0 for s in SITES)
+
+
+def test_a_recipe_on_prodenv_runs_at_the_federation(fed, tmp_path):
+    """Issue 26 item 9: a pflseg recipe executed on FLARE's ProdEnv (the admin's startup kit) runs at every site."""
+    recipe = FedAvgRecipe(overrides={**TINY, "rounds": 1}, name="fedavg_recipe")
+    run = recipe.execute(ProdEnv(startup_kit_location=str(fed.admin_kit()), username=fed.admin, login_timeout=30))
+    download = run.get_result(timeout=300)
+    res = json.loads(next(Path(download).rglob("results.json")).read_text())
+    check_per_site({**res, "status": run.get_status()}, SITES)
+    assert res["job"] == "fedavg_recipe" and [h["round"] for h in res["history"]] == [0]
 
 
 def test_a_leads_byoc_job_is_refused(fed, tmp_path):

@@ -1,5 +1,5 @@
-"""The package's layers (../shared/DESIGN.md): nothing imports upward, and no method branches in flare/, eval/ or
-the CLI."""
+"""The package's layers (../shared/DESIGN.md): nothing imports upward, no method branches in flare/, deploy/, eval/
+or the CLI, and config.py (below flare/) knows no method's section."""
 
 import ast
 import re
@@ -43,7 +43,15 @@ def test_nothing_imports_upward():
 def method_readers() -> list[Path]:
     """The modules that must read what describes a method from the registry (flare/methods.py), never branch on it."""
     flare = [p for p in (PACKAGE / "flare").rglob("*.py") if p.name != "methods.py"]
-    return flare + sorted((PACKAGE / "eval").rglob("*.py")) + [PACKAGE / "cli.py"]
+    return (flare + sorted((PACKAGE / "deploy").rglob("*.py")) + sorted((PACKAGE / "eval").rglob("*.py"))
+            + [PACKAGE / "cli.py"])
+
+
+def test_the_method_readers_are_where_the_rules_say():
+    readers = {str(p.relative_to(PACKAGE)) for p in method_readers()}
+    assert {"flare/controllers/base.py", "flare/sites/base.py", "flare/client.py", "deploy/simulator.py",
+            "eval/bench.py", "eval/tables.py", "eval/demo.py", "cli.py"} <= readers
+    assert "flare/methods.py" not in readers
 
 
 def test_no_method_branches_in_flare_eval_and_the_cli():
@@ -71,4 +79,30 @@ def test_no_job_or_method_compared_with_a_registered_name():
                 subject = " ".join(ast.unparse(x) for x in sides if not names(x))
                 if re.search(r"method|job", subject) and set().union(*map(names, sides)) & set(METHODS):
                     hits.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
+    assert hits == []
+
+
+def test_no_method_name_chosen_by_a_condition():
+    """``"fedsm" if x else "fedavg"``: which method runs is the registry's business, never an inline choice."""
+    from pflseg.flare.methods import METHODS
+
+    hits = [f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}" for path in method_readers()
+            for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.IfExp)
+            and any(isinstance(b, ast.Constant) and b.value in METHODS for b in (node.body, node.orelse))]
+    assert hits == []
+
+
+def test_config_reads_no_methods_section():
+    """config.py checks the common keys; a method's section (``cfg["fedsm"]``, ``"iopfl.epochs"`` in RANGES) is
+    checked by that method's controller (``check_config``), called down into config by the registry."""
+    from pflseg.flare.methods import METHOD_SECTIONS
+
+    hits = []
+    for node in ast.walk(ast.parse((PACKAGE / "config.py").read_text())):
+        key = node.slice if isinstance(node, ast.Subscript) else None
+        if isinstance(key, ast.Constant) and key.value in METHOD_SECTIONS:
+            hits.append(f"config.py:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Dict):
+            hits += [f"config.py:{node.lineno}: {k.value}" for k in node.keys if isinstance(k, ast.Constant)
+                     and isinstance(k.value, str) and k.value.split(".")[0] in METHOD_SECTIONS]
     assert hits == []

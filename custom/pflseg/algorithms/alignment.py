@@ -30,6 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+#: Values of ``grace.align``: ``coral``, ``mmd``, ``adv`` (``adversarial_alignment``).
+ALIGNMENTS = ("coral", "mmd", "adv")
+
 
 def pixel_samples(features: torch.Tensor, name: str = "features") -> torch.Tensor:
     """(B, d, H, W) -> (B H W, d): every pixel one sample. A 2-D (N, d) input is returned as is."""

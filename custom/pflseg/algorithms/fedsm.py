@@ -68,6 +68,10 @@ GLOBAL = -1
 #: Class of the global model in the FedSM-extra selector; personalized model of site k is class k + 1.
 EXTRA_GLOBAL_CLASS = 0
 
+#: Values of ``fedsm.selector_fit`` and ``fedsm.selector_steps`` (see "How the selector learns").
+SELECTOR_FITS = ("lda", "softmax")
+SELECTOR_STEPS = ("epoch", "batch")
+
 
 # ---------------------------------------------------------------------------------------------------
 # Selector labels

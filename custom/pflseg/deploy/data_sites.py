@@ -9,7 +9,7 @@ so every site, Centralized's pooling included, finds its data under its FLARE na
 
 ``data_overrides`` fills in ``net.in_channels``, ``net.out_channels`` (from ``in_channels`` and
 ``classes``) and ``data.size`` (``--size``, else ``train_size`` when the root records it) wherever the
-user's own ``--set`` did not.
+user's own ``--set`` did not; ``job_overrides`` is the whole of a command's ``--set``, ``--data`` and ``--size``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import json
 import re
 from pathlib import Path
 
+from pflseg.config import parse_set
 from pflseg.data import load_dataset_info
 
 _CLIENT = re.compile(r"^[A-Za-z0-9_-]+$")  # FLARE's client name pattern (nvflare.apis.utils.format_check)
@@ -120,3 +121,58 @@ def project_with_sites(project: dict, sites: list[str]) -> dict:
     server = [p for p in others if p["type"] == "server"]
     project["participants"] = server + clients + [p for p in others if p["type"] != "server"]
     return project
+
+
+def job_overrides(sets: list[str], data: str | Path | None = None, size: int | None = None) -> dict:
+    """A job's config overrides from a command line: ``sets`` (``--set KEY=VALUE`` items, ``pflseg.config.parse_set``)
+    plus, where they say nothing, what ``data``'s dataset.json implies (``data_overrides``), else ``size`` as
+    ``data.size``.
+
+    Example: ``job_overrides(["rounds=3"], None, 64)`` -> ``{"rounds": 3, "data": {"size": 64}}``.
+    """
+    overrides = parse_set(sets)
+    if data:
+        return data_overrides(Path(data).resolve(), overrides, size)
+    if size:
+        overrides.setdefault("data", {}).setdefault("size", size)
+    return overrides
+
+
+def data_sites(data: str | Path, workspace: str | Path, n: int | None = None, names: list[str] | None = None,
+               say=print) -> tuple[Path, dict[str, str]]:
+    """A run's sites of the data root ``data`` (``choose_sites``: ``names``, else the first ``n``, else all), read
+    through a view in ``<workspace>/data_view`` when some need another name (``site_view``); ``say`` names them and
+    any renamed one.
+
+    Returns:
+        ``(data root to run on, {FLARE name: data site})``.
+    """
+    root = Path(data).resolve()
+    view, mapping = site_view(root, choose_sites(root, n, names), Path(workspace).resolve() / "data_view")
+    say(f"sites of {root}: {', '.join(mapping)}")
+    if renamed(mapping):
+        say(renamed(mapping))
+    return view, mapping
+
+
+def run_sites(data: str | Path | None, workspace: str | Path, n: int | None = None, names: list[str] | None = None,
+              default: int = 3, say=print) -> tuple[Path | None, list[str] | None, int]:
+    """The sites of a run on this machine: with ``data`` its chosen sites under their FLARE names (``data_sites``),
+    else the sites ``names``, else ``n`` (default ``default``) synthetic sites made at each site.
+
+    Returns:
+        ``(data root or None, client names or None: the runner's site-1, site-2, ..., number of sites)``.
+    """
+    if data:
+        view, mapping = data_sites(data, workspace, n, names, say)
+        return view, list(mapping), len(mapping)
+    return None, names, len(names) if names else n or default
+
+
+def planned_sites(data: str | Path | None, n: int | None = None, names: list[str] | None = None,
+                  default: int = 3) -> list[str] | dict[str, str]:
+    """The sites ``run_sites`` will use, without making a view or saying anything: ``{FLARE name: data site}`` with
+    ``data``, else the site names (``site-1``, ... for ``n`` synthetic sites)."""
+    if data:
+        return flare_names(choose_sites(Path(data).resolve(), n, names))
+    return names or [f"site-{i + 1}" for i in range(n or default)]

@@ -266,3 +266,66 @@ def _signal(proc: psutil.Process, sig) -> None:
         proc.send_signal(sig)
     except psutil.Error:
         pass
+
+
+def deploy_local(workspace: str | Path, project_yml: str | Path | None = None, data: str | Path | None = None,
+                 sites: int | None = None, site_names: list[str] | None = None, device: str = "auto",
+                 timeout: float = 180.0, say=print) -> LocalFederation:
+    """``pflseg deploy local``: provision ``project_yml`` (default: the repository's) in ``workspace`` on loopback,
+    start the server and every site with ``device``, wait up to ``timeout`` seconds until all are connected, and
+    ``say`` how to submit to it and stop it; the federation is left running.
+
+    With ``data`` the data root's sites (``sites``: the first N, ``site_names``: those; ``data_sites``) replace the
+    project's sites (``<workspace>/project.data.yml``) and every site reads that root.
+    """
+    from pflseg.deploy.data_sites import data_sites, project_with_sites
+
+    project_yml = Path(project_yml) if project_yml else REPO_PROJECT
+    site_cfg = {"device": device}
+    if data:
+        ws = Path(workspace).resolve()
+        root, mapping = data_sites(data, ws, sites, site_names, say)
+        site_cfg["data"] = str(root)
+        project = project_with_sites(yaml.safe_load(project_yml.read_text()), list(mapping))
+        ws.mkdir(parents=True, exist_ok=True)
+        project_yml = ws / "project.data.yml"
+        project_yml.write_text(yaml.safe_dump(project, sort_keys=False))
+    fed = LocalFederation(workspace, project_yml, progress=say)
+    fed.provision(site_cfg)
+    fed.start()
+    fed.wait_connected(timeout=timeout)
+    kit = fed.admin_kit()
+    say(f"federation running ({fed.rss_bytes() / 2**30:.2f} GiB resident); admin kit: {kit}")
+    if data:
+        say(f"  jobs for this data: pflseg jobs export fedavg --out runs/jobs --data {Path(data).resolve()}")
+    say(f"  submit:  pflseg submit jobs/fedavg --kit {kit}")
+    say(f"  console: {kit}/startup/fl_admin.sh")
+    say(f"  stop:    pflseg deploy stop --workspace {workspace}")
+    return fed
+
+
+def federation_status(workspace: str | Path, say=print) -> bool:
+    """``pflseg deploy status``: ``say`` the connected sites, the processes and their resident memory of the
+    federation that ``deploy_local`` left running in ``workspace``. Returns False when none is running (said, with
+    how to start one)."""
+    fed = LocalFederation(workspace)
+    if not fed.processes():
+        say(f"no federation running from {fed.workspace} (start one: pflseg deploy local --workspace {workspace})")
+        return False
+    sess = fed.session()
+    try:
+        say(f"connected sites: {', '.join(fed.connected(sess)) or 'none'}")
+    finally:
+        sess.close()
+    say(f"{len(fed.processes())} process(es), {fed.rss_bytes() / 2**30:.2f} GiB resident")
+    return True
+
+
+def stop_federation(workspace: str | Path, say=print) -> bool:
+    """``pflseg deploy stop``: shut the federation in ``workspace`` down (``LocalFederation.stop``); ``say`` how
+    many leftover processes were killed and how many are still alive. Returns True when none is left."""
+    fed = LocalFederation(workspace, progress=say)
+    killed = fed.stop()
+    left = fed.processes()
+    say(f"stopped; {len(killed)} leftover process(es) killed; {len(left)} still alive")
+    return not left

@@ -69,3 +69,38 @@ def _edit(path: Path, change) -> None:
     cfg = json.loads(path.read_text())
     change(cfg)
     path.write_text(json.dumps(cfg, indent=2))
+
+
+def run_poc(job: str = "fedavg", workspace: str | Path = "runs/poc", sites: int | None = None,
+            site_names: list[str] | None = None, rounds: int = 2, data: str | Path | None = None,
+            size: int | None = None, sets: list[str] | None = None, say=print) -> dict:
+    """``pflseg poc``: prepare a POC federation in ``workspace`` (``data``'s sites under their FLARE names, else
+    ``site_names`` or ``sites`` (default 2) sites making the job's synthetic data), start it, export ``job`` with
+    ``sets``, ``data`` and ``size`` (``job_overrides``), ``rounds`` and ``min_clients`` unless ``sets`` name them,
+    submit it through the FLARE API, ``say`` its per-site metrics, and stop the federation.
+
+    Returns:
+        The job's results (``pflseg.deploy.submit.submit``).
+    """
+    from pflseg.deploy.data_sites import job_overrides, run_sites
+    from pflseg.deploy.submit import metrics_table, submit
+    from pflseg.flare.jobs import export_job
+
+    ws = Path(workspace).resolve()
+    overrides = job_overrides(sets or [], data, size)
+    root, clients, n = run_sites(data, ws, sites, site_names, default=2, say=say)
+    if not data:  # a researcher's POC on this machine: its sites make the job's synthetic data (a deployment refuses)
+        overrides.setdefault("data", {}).setdefault("allow_synthetic", True)
+    overrides.setdefault("rounds", rounds)
+    overrides.setdefault("min_clients", min(n, 2))
+    fed = PocFederation(ws, n_sites=n, progress=say, clients=clients)
+    fed.provision({"data": str(root)} if root else None)
+    try:
+        fed.start()
+        fed.wait_connected()
+        results = submit(export_job(job, fed.workspace / "jobs", overrides=overrides), fed.admin_kit(),
+                         out=fed.workspace / "results", progress=say)
+        say(metrics_table(results))
+    finally:
+        fed.stop()
+    return results

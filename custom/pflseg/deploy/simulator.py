@@ -30,11 +30,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pflseg.config import load_job_config
 from pflseg.data.datalist import DATALIST_JSON
 from pflseg.flare.allowlist import add_to_resources
-from pflseg.flare.jobs import build_job, in_script_dir
-from pflseg.flare.methods import METHOD_SECTIONS, METHODS
+from pflseg.flare.methods import own_config
 from pflseg.flare.state import RoundStore, write_text
 
 try:
@@ -599,12 +597,8 @@ def move_aside(workspace: str | Path) -> Path:
 def _comparable(record: dict) -> dict:
     """The part of a record that decides identity (no root path, times, command or hash)."""
     out = {k: json.loads(json.dumps(record[k])) for k in ("config", "data", "sites", "inputs") if k in record}
-    cfg = out.get("config")
-    if isinstance(cfg, dict):  # another method's section does not change what this run is
-        entry = METHODS.get(cfg.get("method"))
-        own = set(entry.sections) if entry else METHOD_SECTIONS
-        for section in METHOD_SECTIONS - own:
-            cfg.pop(section, None)
+    if isinstance(out.get("config"), dict):  # another method's section does not change what this run is
+        out["config"] = own_config(out["config"])
     if isinstance(out.get("data"), dict):
         out["data"].pop("root", None)
     return out
@@ -669,15 +663,16 @@ def _rss(proc) -> int:
 
 def run_simenv(name: str, workspace: str | Path, n_sites: int = 3, threads: int | None = None,
                overrides: dict | None = None) -> Path:
-    """The ``python job.py`` route: build the job in Python and run it with FLARE's SimEnv (in this process)."""
+    """The ``python job.py`` route: job ``name`` as a pflseg recipe (``pflseg.flare.recipes``) run with FLARE's SimEnv
+    in this process: FLARE's workspace in ``<workspace>/sim``, pflseg's state in ``<workspace>/state``. Returns the
+    path of its ``results.json``."""
     from nvflare.recipe.sim_env import SimEnv
-    from nvflare.recipe.spec import Recipe
+
+    from pflseg.flare.recipes import STATE_DIR, PflsegRecipe
 
     workspace = Path(workspace).resolve()
-    os.environ.setdefault("PFLSEG_STATE_DIR", str(workspace / "state"))
-    add_to_resources(workspace / "sim" / name / "local" / "resources.json")  # SimEnv's workspace for this job
-    with in_script_dir():
-        job = build_job(load_job_config(name, overrides=overrides))
-        Recipe(job).execute(SimEnv(num_clients=n_sites, num_threads=threads or n_sites,
-                                   workspace_root=str(workspace / "sim")))
-    return Path(os.environ["PFLSEG_STATE_DIR"]) / "server" / name / "results.json"
+    recipe = PflsegRecipe(name, overrides=overrides)
+    env = SimEnv(num_clients=n_sites, num_threads=threads or n_sites, workspace_root=str(workspace / "sim"),
+                 extra={STATE_DIR: str(workspace / "state")})
+    recipe.execute(env)
+    return recipe.results(env)

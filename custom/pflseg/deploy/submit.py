@@ -63,6 +63,25 @@ def submit(job_dir: str | Path, kit: str | Path, user: str | None = None, timeou
     return results
 
 
+
+def submit_report(job_dir: str | Path, kit: str | Path, user: str | None = None, timeout: float = 3600.0,
+                  out: str | Path | None = None, say=print) -> dict:
+    """``pflseg submit``: ``submit`` the job, then ``say`` its per-site metrics (``metrics_table``) and where it was
+    downloaded. A server that cannot be reached is a RuntimeError naming the kit and what to check.
+
+    Returns:
+        The job's results (``submit``).
+    """
+    try:
+        results = submit(job_dir, kit, user=user, timeout=timeout, out=out, progress=say)
+    except ConnectionError as exc:  # nvflare's NoConnection: the server is down or not reachable
+        raise RuntimeError(f"cannot reach the FLARE server of the admin kit {Path(kit).resolve()} ({exc}): is the "
+                           "federation running? Start it (pflseg deploy local) or check the server's address and "
+                           "port in the kit's startup/fed_admin.json") from None
+    say(metrics_table(results))
+    say(f"downloaded to {results['download']}")
+    return results
+
 class _Follow:
     """monitor_job callback: prints status changes and new round lines from the server's job log."""
 

@@ -474,7 +474,7 @@ class Bench:
         try:
             plot(report, self.ws)
         except ImportError:
-            self.progress("matplotlib is not installed: no PNG plots (pip install -e '.[plots]')")
+            self.progress("matplotlib is not installed: no PNG plots (pip install 'pflseg[plots]')")
 
 
 def _csv_std(st: dict) -> str:
@@ -594,3 +594,41 @@ def plot(report: dict, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "bench_curves.png", dpi=120)
     plt.close(fig)
+
+
+def run_bench(workspace: str | Path, data: str | Path | None = None, synth_sites: int = 6,
+              methods: list[str] | None = None, seeds=(0,), rounds: int = 20, holdout: list[str] | None = None,
+              sets: list[str] | None = None, size: int | None = None, outside: bool = True, threads: int | None = None,
+              sites: int | None = None, site_names: list[str] | None = None, preset: str | None = "bench",
+              say=print) -> dict:
+    """``pflseg bench``: run the ``Bench`` of these settings in ``workspace`` (locked before it makes its synthetic
+    data there), then ``say`` its tables and the files written. ``sets``, ``data`` and ``size``: the jobs' overrides
+    (``pflseg.deploy.data_sites.job_overrides``); ``sites`` / ``site_names``: the sites of ``data`` it uses (default:
+    all).
+
+    Returns:
+        The bench's report (``Bench.execute``).
+    """
+    from pflseg.deploy import data_sites
+
+    chosen = None
+    if data and (sites or site_names):
+        chosen = data_sites.choose_sites(Path(data).resolve(), sites, site_names)
+    with workspace_lock(workspace):  # before Bench makes the synthetic data there
+        bench = Bench(workspace, data=data, synth_sites=synth_sites, methods=methods, seeds=seeds, rounds=rounds,
+                      holdout=holdout, overrides=data_sites.job_overrides(sets or [], data, size), outside=outside,
+                      threads=threads, progress=say, sites=chosen, preset=preset)
+        report = bench.execute()
+    say(to_markdown(report))
+    say(f"written: {bench.ws}/bench.json, bench_inside.csv, bench_outside.csv, bench.md (+ PNG plots with matplotlib)")
+    return report
+
+
+#: ``pflseg iopfl loso``: IOP-FL's leave-one-site-out protocol is the bench of IOP-FL alone, every site held out once
+LOSO = {"methods": ["iopfl"], "outside": True, "holdout": ["all"]}
+
+
+def run_loso(holdout: list[str] | None = None, **settings) -> dict:
+    """``pflseg iopfl loso``: ``run_bench`` with ``LOSO``'s methods, the outside table, and ``holdout`` (default:
+    every site once); ``settings``: ``run_bench``'s other arguments."""
+    return run_bench(**{**settings, **LOSO, "holdout": holdout or LOSO["holdout"]})

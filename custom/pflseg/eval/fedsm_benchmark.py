@@ -110,3 +110,9 @@ def to_markdown(report: dict, gamma: str = "0.9") -> str:
     lines.append(f"- FedSM round wall time: 3 sites {t3:.2f} s (peak memory {m3:.2f} GiB); "
                  f"6 sites {t6['round_seconds']:.2f} s (peak memory {t6['peak_rss_gib']:.2f} GiB)")
     return "\n".join(lines)
+
+
+def report(workspace: str | Path | None = None, rounds: int | None = None, seeds=(0, 1), **_) -> str:
+    """``pflseg report fedsm-benchmark``: ``run`` in ``workspace`` (default ``runs/fedsm_bench``) for ``rounds``
+    (default 20) and ``seeds``; its Markdown. Other keywords (the flags of other reports) are ignored."""
+    return to_markdown(run(workspace or "runs/fedsm_bench", rounds or 20, seeds))

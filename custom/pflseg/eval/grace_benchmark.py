@@ -76,3 +76,9 @@ def to_markdown(report: dict) -> str:
     lines.append(f"\nGram vs naive similarity: max |difference| {report['max_abs_difference_gram_vs_naive']:.2e}, "
                  f"naive / Gram time {t['similarity_naive'] / t['similarity_gram']:.2f}")
     return "\n".join(lines)
+
+
+def report(sites: int | None = None, repeats: int = 5, **_) -> str:
+    """``pflseg report grace-benchmark``: ``run`` with ``sites`` (default 6) sites and ``repeats`` timings; its
+    Markdown. Other keywords (the flags of other reports) are ignored."""
+    return to_markdown(run(sites or 6, repeats))

@@ -152,3 +152,12 @@ def to_markdown(report: dict) -> str:
         lines.append(f"- outside site {o} ({kinds[o]}): best single-site model local:{best} {row[best]:.3f}"
                      + (f", FedAvg (the mix) {fed:.3f}" if fed is not None else ""))
     return "\n".join(lines)
+
+
+def report(workspace: str | Path | None = None, rounds: int | None = None, task: str = "prostate", seeds=(0,),
+           preset: str | None = "bench", size: int | None = None, outside: list[str] | None = None, **_) -> str:
+    """``pflseg report heterogeneity``: ``measure`` in ``workspace`` (default ``runs/heterogeneity``) for ``rounds``
+    (default 20) on ``task``'s ``preset`` data (None: the plain generator) of the first of ``seeds``; its Markdown.
+    Other keywords (the flags of other reports) are ignored."""
+    return to_markdown(measure(workspace or "runs/heterogeneity", rounds or 20, task, seeds[0], preset=preset,
+                               size=size, outside=outside))

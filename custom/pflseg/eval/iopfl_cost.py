@@ -13,6 +13,8 @@ pass.
 from __future__ import annotations
 
 import time
+from json import dumps
+from pathlib import Path
 
 import torch
 
@@ -78,3 +80,13 @@ def to_markdown(rows: list[dict]) -> str:
                                   f"{r['routing_s_per_image']:.3f} (E={r['epochs']})",
                                   f"{r['ratio_routed_forward_to_unet']:.1f}", f"{r['ratio_step_to_unet']:.1f}",
                                   f"{r['ratio_routing_to_unet']:.0f}"] for r in rows])
+
+
+def report(sizes=(64, 256), experts: int = 5, batch: int = 8, epochs: int = 10, repeats: int = 5,
+           json: str | Path | None = None, **_) -> str:
+    """``pflseg report iopfl-cost``: ``measure`` at each of ``sizes``; its Markdown, and the rows as JSON in the file
+    ``json`` when given. Other keywords (the flags of other reports) are ignored."""
+    rows = [measure(size, experts, batch, epochs, repeats) for size in sizes]
+    if json:
+        Path(json).write_text(dumps(rows, indent=1))
+    return to_markdown(rows)

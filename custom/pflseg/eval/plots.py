@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pflseg.eval.tables import METRIC_COLUMNS, infer_table, metric_rows, metric_table, route_table
 
-PLOTS_HINT = 'no plots: matplotlib is not installed (pip install -e ".[plots]")'
+PLOTS_HINT = 'no plots: matplotlib is not installed (pip install "pflseg[plots]", or -e ".[plots]" in a checkout)'
 
 
 def have_matplotlib() -> bool:

@@ -4,10 +4,11 @@ A job without custom code (package mode) only runs classes a site allows in its 
 (``class_allow_list``; FLARE's built-in list when absent). What pflseg's provisioning, POC and simulator runs
 write there (``allow_list``) is exactly: FLARE 2.9's default list (``DEFAULT_CLASS_ALLOW_LIST``: 88 classes of
 FLARE's own, its workflows, executors, aggregators, persistors, privacy filters and widgets, which FLARE's kits
-allow anyway) plus pflseg's own job classes by exact name (every method's controller and the site executor,
+allow anyway) plus pflseg's own job classes by exact name (every method's controller and both site executors,
 ``pflseg_classes``: no ``pflseg.`` prefix). pflseg's jobs name only ``job_classes``: pflseg's classes and two of
-FLARE's (``FLARE_CLASSES``); a site that allows nothing else writes that list (README, "Hospital IT"). FLARE filters
-a job adds (``privacy.update.filters``) must be on the site's list too.
+FLARE's (``FLARE_CLASSES``), less the Client API site executor a job names only with ``site.executor: client_api``;
+a site that allows nothing else writes that list (README, "Hospital IT"). FLARE filters a job adds
+(``privacy.update.filters``) must be on the site's list too.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ def _path(cls) -> str:
 
 
 def pflseg_classes() -> list[str]:
-    """Every pflseg class a job can name (controllers of all methods, the site executor)."""
-    from pflseg.flare.executor import SiteExecutor
+    """Every pflseg class a job can name (controllers of all methods, the site executors of ``site.executor``)."""
+    from pflseg.flare.executor import ClientAPISiteExecutor, SiteExecutor
     from pflseg.flare.methods import METHODS
 
-    return sorted({_path(m.controller) for m in METHODS.values()} | {_path(SiteExecutor)})
+    return sorted({_path(m.controller) for m in METHODS.values()} | {_path(SiteExecutor), _path(ClientAPISiteExecutor)})
 
 
 #: FLARE's classes that every pflseg job names (``pflseg.flare.jobs.build_job``): the sites' event relay and the
@@ -37,8 +38,10 @@ FLARE_CLASSES = ("nvflare.app_common.widgets.convert_to_fed_event.ConvertToFedEv
 
 
 def job_classes() -> list[str]:
-    """Every class a pflseg job (package mode, default privacy settings) asks FLARE to build."""
-    return sorted(FLARE_CLASSES) + pflseg_classes()
+    """Every class a pflseg job (package mode, default privacy and site settings) asks FLARE to build."""
+    from pflseg.flare.executor import ClientAPISiteExecutor
+
+    return sorted(FLARE_CLASSES) + [c for c in pflseg_classes() if c != _path(ClientAPISiteExecutor)]
 
 
 def allow_list() -> list[str]:

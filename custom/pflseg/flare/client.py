@@ -1,4 +1,8 @@
-"""The single FLARE Client API script of pflseg: every job's sites run this file.
+"""The site entry point of pflseg: ``answer`` is a site's reply to one task, whatever runs it.
+
+Every job's sites answer through it: FLARE's plain executor ``pflseg.flare.executor.SiteExecutor`` calls it inside
+``execute()`` (the default), and ``main`` is the Client API script around it (config ``site.executor:
+client_api``)::
 
     flare.init(); while flare.is_running(): model = flare.receive(); site.tasks()[task](model); flare.send()
 
@@ -94,6 +98,12 @@ def _state_root(name: str) -> Path:
     return state_dir(name, "_", configured).parent
 
 
+def scalars(out: FLModel) -> list[tuple[str, int | float]]:
+    """The reply's numeric metrics, tracked under their own names (the same name at every site: FLARE's receivers keep
+    the sites apart, tb_events/<site>/ and an MLflow run each)."""
+    return [(k, v) for k, v in (out.metrics or {}).items() if isinstance(v, (int, float))]
+
+
 def main() -> None:
     import nvflare.client as flare
     from nvflare.client.tracking import SummaryWriter
@@ -108,10 +118,8 @@ def main() -> None:
             break
         task = flare.get_task_name()
         out, site = answer(name, task, msg, site, job_id)
-        for key, value in out.metrics.items() if out.metrics else []:
-            if isinstance(value, (int, float)):
-                # the same name at every site: FLARE's receivers keep sites apart (tb_events/<site>, an MLflow run each)
-                writer.add_scalar(key, value, msg.current_round or 0)
+        for key, value in scalars(out):
+            writer.add_scalar(key, value, msg.current_round or 0)
         flare.send(out)
 
 

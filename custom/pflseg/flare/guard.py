@@ -27,11 +27,12 @@ import math
 import statistics
 
 import torch
+from nvflare.app_common.abstract.fl_model import FLMetaKey
 
 from pflseg.algorithms.robust import aggregate as robust_aggregate
 from pflseg.algorithms.robust import bounded_weights, combine_rows, first_nonfinite, norm_outliers, norm_ratios
 
-N_K = "NUM_STEPS_CURRENT_ROUND"
+N_K = FLMetaKey.NUM_STEPS_CURRENT_ROUND
 #: keys not bounded tensor by tensor (the whole update still is): optimizer moments. Honest sites' Adam second
 #: moments differ by orders of magnitude (measured on the synthetic sites: one tensor's exp_avg_sq update 2000x
 #: the other sites' median in an honest FedSM round); FedSM checks them with ``check_moments`` instead.
@@ -49,7 +50,8 @@ def aggregate(cfg: dict, states, weights, keys=None) -> dict:
 
 
 def screen(ctrl, task: str, payloads: dict, usable: dict, reference: dict | None) -> None:
-    """Leave out of ``usable`` (in place) the sites whose update is beyond the norm bound; cap the others' n_k."""
+    """Leave out of ``usable`` (in place, ``send_each``'s answers with their ``site_metrics``) the sites whose update
+    is beyond the norm bound; cap the others' n_k (noted in ``usable.site_metrics``)."""
     bounds = ctrl.cfg["robust"]
     if reference and len(usable) >= 2 and bounds["norm_ratio"] > 0:
         answers = {s: res.params or {} for s, res in usable.items()}
@@ -61,7 +63,7 @@ def screen(ctrl, task: str, payloads: dict, usable: dict, reference: dict | None
             ctrl.error(f"{task}: site {site} left out of this round: {reason}")
             ctrl.missing[site] = reason
             del usable[site]
-            ctrl.site_metrics.pop(site, None)
+            usable.site_metrics.pop(site, None)
     weighted = {s: res for s, res in usable.items() if isinstance(res.meta, dict) and res.meta.get(N_K) is not None}
     if len(weighted) < 2 or bounds["n_k_ratio"] <= 0:
         return
@@ -73,7 +75,7 @@ def screen(ctrl, task: str, payloads: dict, usable: dict, reference: dict | None
             note = f"n_k {n_k} capped to {capped} ({bounds['n_k_ratio']:g} x the median of the other sites' n_k)"
             ctrl.warning(f"{task}: site {site}: {note}")
             # in the round's site metrics: the history is checkpointed, so a resumed job still reports it
-            ctrl.site_metrics.setdefault(site, {}).update(n_k_claimed=n_k, n_k_capped=capped)
+            usable.site_metrics.setdefault(site, {}).update(n_k_claimed=n_k, n_k_capped=capped)
 
 
 def validation_score(scores: list[tuple[float, float]], cfg: dict) -> float:
@@ -102,9 +104,10 @@ def snapshot(ctrl) -> dict:
     return {name: _copy(getattr(ctrl, name)) for name in guarded(ctrl) if hasattr(ctrl, name)}
 
 
-def keep_finite(ctrl, r: int, before: dict) -> None:
+def keep_finite(ctrl, r: int, before: dict) -> str | None:
     """After round ``r``: if any guarded state holds NaN / Inf (or a value beyond ``MAX_ABS``), put every guarded
-    state back as it was before the round, with a log line and ``aggregate_rejected`` in the round's metrics."""
+    state back as it was before the round, with a log line. Returns that note (the round's ``aggregate_rejected``),
+    or None when the round's state is kept."""
     for name in before:
         reason = first_nonfinite(getattr(ctrl, name), name)
         if reason:
@@ -112,8 +115,8 @@ def keep_finite(ctrl, r: int, before: dict) -> None:
                 setattr(ctrl, kept, value)
             note = f"the aggregate of round {r + 1} was not used: {reason}; the server kept its previous model"
             ctrl.error(note)
-            ctrl.round_metrics = {**getattr(ctrl, "round_metrics", {}), "aggregate_rejected": note}
-            return
+            return note
+    return None
 
 
 def result_notes(ctrl) -> dict:

@@ -3,7 +3,9 @@ bench and demo columns, the training job a post-training method reads).
 
 Config validation, the allow list of package-mode deployments, the result tables, the bench, the demo, the CLI
 and every runner read it. Adding a method = ``algorithms/<m>.py`` + ``flare/controllers/<m>.py`` +
-``flare/sites/<m>.py`` + one entry here + ``app_configs/<m>.yaml`` (+ its section in ``defaults.yaml``).
+``flare/sites/<m>.py`` + one entry here + ``app_configs/<m>.yaml`` (+ its section in ``defaults.yaml``, whose
+rules and bounds are its controller's ``check_config`` and ``ranges``: ``method`` runs them; ``pflseg.config`` checks
+the common keys only). tests/unit/flare/test_new_method.py adds one at test time.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pflseg.flare.controllers.centralized import CentralizedController
 from pflseg.flare.controllers.cross_site import CrossSiteController
 from pflseg.flare.controllers.fedavg import FedAvgController
 from pflseg.flare.controllers.fedbn import FedBNController
+from pflseg.flare.controllers.fedprox import FedProxController
 from pflseg.flare.controllers.fedsm import FedSMController, FedSMInferenceController
 from pflseg.flare.controllers.ft import FTController
 from pflseg.flare.controllers.grace import GraceController
@@ -76,7 +79,7 @@ METHODS: dict[str, Method] = {
         # the demo's FedAvg is the IOP-FL run's global model (bit for bit a FedAvg run at the same seed)
         demo_inside=(("FedAvg", "iopfl", "global", "unet"), ("FedAvg + AdaBN", "iopfl", "global_adabn", "unet")),
         demo_outside=(("FedAvg", "iopfl_route", "global", "running"), ("FedAvg", "iopfl_route", "global_bn", "batch"))),
-    "fedprox": Method(FedAvgController, FedProxSite, ("fedprox",), label="FedProx",
+    "fedprox": Method(FedProxController, FedProxSite, ("fedprox",), label="FedProx",
                       inside={"fedprox": (("FedProx", "fedprox", "global", "unet"),)}),
     "fedbn": Method(FedBNController, FedBNSite, label="FedBN", inside={"fedbn": (("FedBN", "fedbn", "site", "unet"),)},
                     demo_inside=(("FedBN", "fedbn", "site", "unet"),)),
@@ -149,11 +152,27 @@ METHODS: dict[str, Method] = {
 METHOD_SECTIONS = frozenset(s for entry in METHODS.values() for s in entry.sections)
 
 
-def method(cfg: dict) -> Method:
-    """The registry entry of ``cfg["method"]``, after the method's own config checks."""
+def own_config(cfg: Mapping) -> dict:
+    """``cfg`` without the sections of every OTHER method (an unregistered method: all of ``cfg``, as it is):
+    what an exported job carries (``pflseg.flare.jobs.build_job``) and what decides a run's identity
+    (``pflseg.deploy.simulator.run_record``). Nothing is lost: no method reads another's section, and the server's and
+    the site's ``pflseg.config.check_effective`` merge the received config into defaults.yaml again."""
+    entry = METHODS.get(cfg.get("method"))
+    drop = METHOD_SECTIONS - set(entry.sections) if entry else frozenset()
+    return {k: v for k, v in cfg.items() if k not in drop}
+
+
+def method(cfg: dict, source: str | None = None) -> Method:
+    """The registry entry of ``cfg["method"]``, after the method's own config checks (its controller's
+    ``check_config``: ranges and rules of its sections; ``pflseg.config.validate`` checks the common keys only).
+
+    Every path that loads or receives a config runs it: ``pflseg.flare.jobs.build_job`` (export, the CLI, the
+    simulator, POC, the bench), the server's ``setup`` (``check_config``) and the site's first message
+    (``pflseg.flare.client.answer``). ``source`` names the config in an error (default: the job's name)."""
     name = cfg["method"]
+    source = source or f"job {cfg.get('name', 'config')}"
     if name not in METHODS:
         raise ConfigError(f"{cfg.get('name', 'job')}: method '{name}' is not one of {', '.join(METHODS)}")
     entry = METHODS[name]
-    entry.controller.check_config(cfg)
+    entry.controller.check_config(cfg, source)
     return entry

@@ -13,6 +13,10 @@ of prediction and ground truth has no surface distance: it is left out of the me
 
 ``adabn`` (AdaBN, Li et al. 2016) re-estimates a model's batch-norm running statistics on other images
 before it is evaluated: the "statistics" part of a personalization gain, without touching any weight.
+
+``amp`` and ``channels_last`` (``train.amp``, ``train.channels_last``; ``pflseg.train.loop``) apply to the forward
+passes here as in training: autocast on the model's device, logits cast to float32 before the sigmoid, so every
+metric is computed in float32; off (the default) changes nothing.
 """
 
 from __future__ import annotations
@@ -25,18 +29,24 @@ from monai.metrics import DiceMetric, compute_average_surface_distance, compute_
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from pflseg.train.loop import make_loader
+from pflseg.train.loop import amp_dtype, autocast, image_to, make_loader, memory_format
 
 
 @torch.no_grad()
-def predict(model: nn.Module, dataset: Dataset, device: torch.device, batch_size: int = 32):
-    """Yield ``(sample_meta, pred (C,H,W) bool, label (C,H,W) bool)`` for every sample, in dataset order."""
+def predict(model: nn.Module, dataset: Dataset, device: torch.device, batch_size: int = 32, amp: str = "off",
+            channels_last: bool = False):
+    """Yield ``(sample_meta, pred (C,H,W) bool, label (C,H,W) bool)`` for every sample, in dataset order; the forward
+    passes with ``amp`` / ``channels_last`` (module docstring)."""
+    device = torch.device(device)
+    dtype = amp_dtype(amp, device)
     model.to(device).eval()
-    for batch in make_loader(dataset, batch_size, shuffle=False):
-        logits = model(batch["image"].to(device))
-        preds = (torch.sigmoid(logits) > 0.5).cpu()
-        for i in range(preds.shape[0]):
-            yield (batch["case"][i], int(batch["slice"][i])), preds[i], batch["label"][i] > 0.5
+    with memory_format(model, channels_last):
+        for batch in make_loader(dataset, batch_size, shuffle=False, device=device):
+            with autocast(dtype, device):
+                logits = model(image_to(batch["image"], device, channels_last))
+            preds = (torch.sigmoid(logits.float()) > 0.5).cpu()
+            for i in range(preds.shape[0]):
+                yield (batch["case"][i], int(batch["slice"][i])), preds[i], batch["label"][i] > 0.5
 
 
 def batch_norms(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
@@ -45,7 +55,8 @@ def batch_norms(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
 
 
 @torch.no_grad()
-def adabn(model: nn.Module, loader: DataLoader, device: torch.device) -> nn.Module:
+def adabn(model: nn.Module, loader: DataLoader, device: torch.device, amp: str = "off",
+          channels_last: bool = False) -> nn.Module:
     """AdaBN: replace the running statistics of every batch-norm layer of ``model`` by those of ``loader``'s images.
 
     Statistics are reset, then one pass over ``loader`` without gradients with the batch-norm layers in train
@@ -57,10 +68,13 @@ def adabn(model: nn.Module, loader: DataLoader, device: torch.device) -> nn.Modu
         model: the network, changed in place; its batch-norm inputs are (B, C, H, W) features.
         loader: batches with an ``image`` (B, C_in, H, W).
         device: where the forward passes run.
+        amp, channels_last: as in training (module docstring); the running statistics stay float32 buffers.
 
     Returns:
         ``model``, in eval mode. A model without batch-norm layers is returned unchanged (in eval mode).
     """
+    device = torch.device(device)
+    dtype = amp_dtype(amp, device)
     model.to(device).eval()
     norms = batch_norms(model)
     momenta = [m.momentum for m in norms]
@@ -70,8 +84,10 @@ def adabn(model: nn.Module, loader: DataLoader, device: torch.device) -> nn.Modu
         m.train()
     try:
         if norms:
-            for batch in loader:
-                model(batch["image"].to(device))
+            with memory_format(model, channels_last):
+                for batch in loader:
+                    with autocast(dtype, device):
+                        model(image_to(batch["image"], device, channels_last))
     finally:
         for m, momentum in zip(norms, momenta):
             m.momentum = momentum
@@ -119,8 +135,8 @@ def _empty_rules(out: torch.Tensor, pred: torch.Tensor, label: torch.Tensor) -> 
 
 
 def evaluate(model: nn.Module, dataset: Dataset, device: torch.device, batch_size: int = 32,
-             surface: bool = False) -> dict:
-    """Score ``model`` on ``dataset``.
+             surface: bool = False, amp: str = "off", channels_last: bool = False) -> dict:
+    """Score ``model`` on ``dataset`` (forward passes with ``amp`` / ``channels_last``, module docstring).
 
     Returns:
         ``dice`` (mean over cases and classes), ``dice_per_class`` (per class, over cases),
@@ -133,7 +149,7 @@ def evaluate(model: nn.Module, dataset: Dataset, device: torch.device, batch_siz
         raise ValueError("evaluate: empty dataset")
     by_case: dict[str, list] = defaultdict(list)
     image_scores = []
-    for (case, slice_idx), pred, label in predict(model, dataset, device, batch_size):
+    for (case, slice_idx), pred, label in predict(model, dataset, device, batch_size, amp, channels_last):
         by_case[case].append((slice_idx, pred, label))
         image_scores.append(dice_scores(pred, label))
     per_case, ious, assds, hd95s = {}, [], [], []

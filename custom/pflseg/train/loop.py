@@ -4,10 +4,28 @@
 
 ``Hooks.step`` replaces the whole step (meta-learning, alternating schedules); ``Hooks.extra_loss`` adds
 a term (FedProx's proximal term, alignment losses).
+
+GPU options (``train.amp``, ``train.channels_last``; both off by default, and then every operation is the one
+of plain float32 training: results bit for bit as without them):
+
+- ``amp`` (``amp_dtype``): the forward passes run under ``torch.autocast`` on the model's device, bf16 or fp16;
+  the task loss is computed in float32 outside autocast (``Float32Loss``: the logits are cast up first). fp16
+  uses a ``torch.amp.GradScaler`` (a new one per call: its scale starts at 2^16 every round) and exists on
+  CUDA only (a CPU site trains in float32, with a log line). A method whose own step replaces the loop's
+  (``Hooks.step``) runs that whole step inside autocast and is handed the float32 task loss; bf16 only (fp16
+  would need the step to scale its own backward: refused on every device, ConfigError). Terms such a step
+  computes without ``loss_fn`` (GRACE's alignment, LC-Fed's site contrast) run under autocast as they are.
+- ``channels_last``: the model's 4-D weights and the images in ``torch.channels_last`` memory format while the
+  loop runs; the model is back in the contiguous format afterwards (its state dict as always).
+- On CUDA, batches come from pinned memory (``make_loader(device=...)``) and are copied without blocking.
+- ``peak_gpu_memory``: the device's peak allocated bytes, reported by ``train_epochs`` (None on a CPU).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
 import os
 import random
 from collections.abc import Callable
@@ -17,6 +35,13 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+
+from pflseg.config import AMP_MODES, ConfigError
+
+log = logging.getLogger("pflseg.train")
+
+#: ``train.amp`` (``pflseg.config.AMP_MODES``) -> the dtype autocast runs its lower-precision ops in (None: float32)
+AMP_DTYPES: dict[str, torch.dtype | None] = dict(zip(AMP_MODES, (None, torch.bfloat16, torch.float16)))
 
 
 @dataclass
@@ -94,9 +119,102 @@ def build_optimizer(
     return optimizer
 
 
-def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, seed: int = 0) -> DataLoader:
+def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, seed: int = 0,
+                device: torch.device | str | None = None) -> DataLoader:
+    """Batches of ``dataset`` in a seeded order. For a CUDA ``device`` they come in pinned (page-locked) host memory,
+    so that the copies to the GPU (``to_device``) do not block; otherwise (None, a CPU) as they are."""
     gen = torch.Generator().manual_seed(seed)
-    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=gen, num_workers=0, drop_last=False)
+    pin = device is not None and torch.device(device).type == "cuda"
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=gen, num_workers=0, drop_last=False,
+                      pin_memory=pin)
+
+
+@functools.cache
+def _fallback_note(amp: str, device_type: str) -> None:
+    """One log line per process and (amp, device type) that ``amp`` runs in float32 there."""
+    log.warning("train.amp=%s: not on a %s device (CUDA only); this site computes in float32", amp, device_type)
+
+
+def amp_dtype(amp: str, device: torch.device | str) -> torch.dtype | None:
+    """The autocast dtype ``train.amp`` gives on ``device``; None: float32 throughout.
+
+    ``off``: None. ``bf16``: bfloat16 on a CPU or a CUDA GPU with native bfloat16 (Ampere or later; an older GPU is
+    a ConfigError pointing to fp16). ``fp16``: float16 on CUDA; on any other device None, with one log line: a CPU
+    gains nothing from float16 and its training would need a gradient scaler, which pflseg uses on CUDA only.
+    Any other device type (``meta``, ...): None.
+    """
+    if amp not in AMP_DTYPES:
+        raise ConfigError(f"train.amp must be one of {', '.join(AMP_DTYPES)}, got {amp!r}")
+    device = torch.device(device)
+    dtype = AMP_DTYPES[amp]
+    if dtype is None:
+        return None
+    if device.type == "cuda":
+        if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
+            raise ConfigError(f"train.amp=bf16: the GPU {torch.cuda.get_device_name(device)} has no native bfloat16 "
+                              "(Ampere or later have it); use train.amp: fp16 or off")
+        return dtype
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        return dtype
+    _fallback_note(amp, device.type)
+    return None
+
+
+def autocast(dtype: torch.dtype | None, device: torch.device):
+    """``torch.autocast`` on ``device``'s type in ``dtype``; a no-op context for None."""
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+class Float32Loss(nn.Module):
+    """``loss_fn`` computed in float32 outside autocast: the logits (and a floating-point label) are cast to float32
+    first, so the loss, its reductions and the first steps of its gradient are float32 under mixed precision."""
+
+    def __init__(self, loss_fn: nn.Module):
+        super().__init__()
+        self.loss_fn = loss_fn
+
+    def forward(self, logits: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(logits.device.type, enabled=False):
+            return self.loss_fn(logits.float(), label.float() if label.is_floating_point() else label)
+
+
+def to_device(batch: dict, device: torch.device, channels_last: bool = False) -> dict:
+    """``batch``'s tensors on ``device``: copied without blocking on CUDA (from pinned memory, ``make_loader``); with
+    ``channels_last`` its ``image`` as ``image_to`` makes it."""
+    non_blocking = device.type == "cuda"
+    out = {k: v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v for k, v in batch.items()}
+    if channels_last and torch.is_tensor(out.get("image")):
+        out["image"] = image_to(out["image"], device, channels_last)
+    return out
+
+
+def image_to(image: torch.Tensor, device: torch.device, channels_last: bool = False) -> torch.Tensor:
+    """A batch of images on ``device`` (without blocking on CUDA); with ``channels_last`` a 4-D (B, C, H, W) batch in
+    channels-last memory format."""
+    image = image.to(device, non_blocking=device.type == "cuda")
+    return image.contiguous(memory_format=torch.channels_last) if channels_last and image.ndim == 4 else image
+
+
+@contextlib.contextmanager
+def memory_format(model: nn.Module, channels_last: bool):
+    """``model``'s 4-D weights in channels-last memory format inside the block (same parameters, new strides), back in
+    the contiguous format after it; nothing without ``channels_last``."""
+    if not channels_last:
+        yield model
+        return
+    model.to(memory_format=torch.channels_last)
+    try:
+        yield model
+    finally:
+        model.to(memory_format=torch.contiguous_format)
+
+
+def peak_gpu_memory(device: torch.device | str) -> int | None:
+    """Peak bytes allocated by torch on a CUDA ``device`` since its last reset (``torch.cuda.max_memory_allocated``;
+    ``train_epochs`` resets it when it starts); None on any other device. The counter belongs to the process: sites
+    that share one process and GPU (simulator threads) share it too."""
+    device = torch.device(device)
+    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
 
 
 def train_epochs(
@@ -108,35 +226,65 @@ def train_epochs(
     device: torch.device,
     hooks: Hooks | None = None,
     progress: Callable[[int, float], None] | None = None,
+    amp: str = "off",
+    channels_last: bool = False,
 ) -> dict:
     """Train ``model`` in place for ``epochs`` over ``loader``.
 
+    Args:
+        amp: ``train.amp`` (module docstring, ``amp_dtype``): off | bf16 | fp16.
+        channels_last: ``train.channels_last``: model and images in channels-last memory format while training.
+
     Returns:
-        ``{"loss": mean batch loss, "steps": optimizer steps, "samples": samples seen per epoch}``.
+        ``{"loss": mean batch loss, "steps": batches trained on (with fp16 the scaler may skip the optimizer step of
+        a batch whose gradient overflowed), "samples": samples seen per epoch, "peak_gpu_bytes": peak_gpu_memory of
+        the loop (None off CUDA)}``.
     """
     hooks = hooks or Hooks()
+    if amp == "fp16" and hooks.step is not None:  # on every device: a job behaves alike at CPU and GPU sites
+        raise ConfigError("train.amp=fp16 needs a gradient scaler around each backward pass, and this method's own "
+                          "training step (GRACE's meta step, LC-Fed, FedRep) does not take one; use train.amp: bf16 "
+                          "(or off)")
+    device = torch.device(device)
+    dtype = amp_dtype(amp, device)
+    scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
+    if dtype is not None and loss_fn is not None:
+        loss_fn = Float32Loss(loss_fn)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     model.to(device).train()
     total, steps = 0.0, 0
-    for epoch in range(epochs):
-        for batch in loader:
-            batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-            if hooks.step is not None:
-                loss_value = hooks.step(model, batch, optimizer, loss_fn)
-            else:
-                optimizer.zero_grad(set_to_none=True)
-                logits = model(batch["image"])
-                loss = loss_fn(logits, batch["label"])
-                if hooks.extra_loss is not None:
-                    loss = loss + hooks.extra_loss(model, batch, logits)
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"training loss became {loss.item()} at step {steps}; lower train.lr")
-                loss.backward()
-                optimizer.step()
-                loss_value = float(loss.detach())
-            total += loss_value
-            steps += 1
-        if hooks.epoch_end is not None:
-            hooks.epoch_end(model, optimizer)
-        if progress is not None:
-            progress(epoch, total / max(steps, 1))
-    return {"loss": total / max(steps, 1), "steps": steps, "samples": len(loader.dataset)}
+    with memory_format(model, channels_last):
+        for epoch in range(epochs):
+            for batch in loader:
+                batch = to_device(batch, device, channels_last)
+                if hooks.step is not None:
+                    with autocast(dtype, device):
+                        loss_value = hooks.step(model, batch, optimizer, loss_fn)
+                else:
+                    optimizer.zero_grad(set_to_none=True)
+                    with autocast(dtype, device):
+                        logits = model(batch["image"])
+                    loss = loss_fn(logits, batch["label"])
+                    if hooks.extra_loss is not None:
+                        with autocast(dtype, device):
+                            term = hooks.extra_loss(model, batch, logits)
+                        loss = loss + (term.float() if dtype is not None else term)
+                    if not torch.isfinite(loss):
+                        raise FloatingPointError(f"training loss became {loss.item()} at step {steps}; lower train.lr")
+                    if scaler is not None:
+                        scaler.scale(loss).backward()
+                        scaler.step(optimizer)
+                        scaler.update()
+                    else:
+                        loss.backward()
+                        optimizer.step()
+                    loss_value = float(loss.detach())
+                total += loss_value
+                steps += 1
+            if hooks.epoch_end is not None:
+                hooks.epoch_end(model, optimizer)
+            if progress is not None:
+                progress(epoch, total / max(steps, 1))
+    return {"loss": total / max(steps, 1), "steps": steps, "samples": len(loader.dataset),
+            "peak_gpu_bytes": peak_gpu_memory(device)}

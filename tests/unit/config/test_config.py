@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from pflseg.config import ConfigError, check_effective, job_names, load_job_config, merge, parse_set
@@ -63,10 +65,12 @@ def test_cli_overrides_apply():
     ({"selector_steps": "epoch", "selector_epochs": 2}, "fedsm.selector_epochs=2 needs fedsm.selector_steps: batch"),
 ])
 def test_fedsm_selector_options_are_checked(fedsm, match):
+    from pflseg.flare.methods import method
+
     with pytest.raises(ConfigError, match=match):
-        check_effective(load_job_config("fedsm", overrides={"fedsm": fedsm}))
-    assert check_effective(load_job_config("fedsm",
-                                           overrides={"fedsm": {"selector_steps": "batch", "selector_epochs": 3}}))
+        method(check_effective(load_job_config("fedsm", overrides={"fedsm": fedsm})))
+    assert method(check_effective(load_job_config(
+        "fedsm", overrides={"fedsm": {"selector_steps": "batch", "selector_epochs": 3}})))
 
 
 @pytest.mark.parametrize("overrides, match", [
@@ -98,3 +102,86 @@ def test_size_batch_and_channels_are_bounded_jointly():
     with pytest.raises(ConfigError, match=r"train\.eval_batch_size=1024"):
         load_job_config("fedavg", overrides={"data": {"size": 1024}, "train": {"eval_batch_size": 1024}})
     load_job_config("fedavg", overrides={"data": {"size": 256}, "train": {"batch_size": 16}})  # a real setting fits
+
+
+# ---- one method, one description: the common keys here, a method's own in its controller's check_config ---------
+#: (job, override, what the error names): every method section, checked for every method that reads it
+METHOD_RULES = [
+    ("fedsm", {"fedsm": {"lam": 2.0}}, r"fedsm\.lam and fedsm\.gamma must lie in \[0, 1\], got 2\.0"),
+    ("fedsm_infer", {"fedsm": {"lam": 2.0}}, r"fedsm\.lam"),
+    ("fedsm_infer", {"fedsm": {"familiar_quantile": 1.5}}, r"fedsm\.familiar_quantile must lie in \(0, 1\]"),
+    ("fedsm", {"fedsm": {"selector": "resnet"}}, r"fedsm\.selector must be compact\|vgg11"),
+    ("fedsm", {"fedsm": {"selector_lr": 0.0}}, r"fedsm\.selector_lr must be a learning rate in \(0, 10\], got 0\.0"),
+    ("fedsm", {"fedsm": {"extra_rounds": 10**6}}, r"fedsm\.extra_rounds=1000000 exceeds the cap 10000 .*"
+                                                  r"FedSMController\.ranges"),
+    ("grace", {"grace": {"inner_lr": -1.0}}, r"grace\.inner_lr must be a learning rate"),
+    ("grace", {"grace": {"eta_g": 11.0}}, r"grace\.eta_g must be a learning rate"),
+    ("grace", {"grace": {"align": "kl"}}, r"grace\.align must be one of coral, mmd, adv, got 'kl'"),
+    ("grace_server", {"grace": {"similarity": "cosine"}}, r"grace\.similarity must be one of total, split, reweight"),
+    ("iopfl", {"iopfl": {"rule": "sgd"}}, r"iopfl\.rule must be one of ema, paper_eq4, got 'sgd'"),
+    ("iopfl_route", {"iopfl": {"router": "x"}}, r"iopfl\.router must be one of paper, normalised, refcode"),
+    ("iopfl_route", {"iopfl": {"rest": "x"}}, r"iopfl\.rest must be one of null, average, global, got 'x'"),
+    ("iopfl_route", {"iopfl": {"tau": 1.5}}, r"iopfl\.tau must lie in \[0, 1\]"),
+    ("iopfl_route", {"iopfl": {"epochs": 10**5}}, r"iopfl\.epochs=100000 exceeds the cap 1000"),
+    ("lcfed", {"lcfed": {"contrast_on": "x"}}, r"lcfed\.contrast_on must be one of gate, gate_all, embedding"),
+    ("fedrep", {"lcfed": {"nms_window": 4}}, r"lcfed\.nms_window and lcfed\.gauss_size must be odd"),
+    ("fedrep", {"lcfed": {"gauss_size": 999}}, r"lcfed\.gauss_size=999 exceeds the cap 255"),
+    ("fedprox", {"fedprox": {"mu": -0.1}}, r"fedprox\.mu must be >= 0, got -0\.1"),
+    ("ft", {"ft": {"epochs": 10**5}}, r"ft\.epochs=100000 exceeds the cap 1000"),
+]
+
+
+@pytest.mark.parametrize("job, override, match", METHOD_RULES)
+def test_a_method_section_is_checked_by_the_methods_that_read_it(job, override, match):
+    from pflseg.flare.methods import method
+
+    cfg = load_job_config(job, overrides=override)  # the common checks know nothing of the method's section
+    with pytest.raises(ConfigError, match=match):
+        method(cfg)
+    with pytest.raises(ConfigError, match=match):  # the server's and the site's check of a received config
+        method(check_effective(cfg), "job config sent by the server")
+    assert method(load_job_config(job))  # the job's own values pass
+
+
+def test_another_methods_section_is_not_this_methods_business():
+    """A fedavg job never reads fedsm.lam: it does not fail on it (its run identity ignores it too)."""
+    from pflseg.flare.methods import method
+
+    assert method(load_job_config("fedavg", overrides={"fedsm": {"lam": 2.0}, "iopfl": {"epochs": 10**5}}))
+
+
+def test_config_py_holds_no_method_section():
+    from pflseg.config import RANGES, validate
+    from pflseg.flare.methods import METHOD_SECTIONS
+
+    assert not {key.split(".")[0] for key in RANGES} & METHOD_SECTIONS
+    cfg = load_job_config("fedavg")
+    for section in METHOD_SECTIONS:  # validate reads none of them
+        cfg.pop(section, None)
+    validate(cfg)
+
+
+def test_a_bad_method_value_on_the_command_line_fails_naming_the_key(tmp_path, capsys):
+    from pflseg.cli import main
+
+    assert main(["jobs", "export", "fedsm", "--out", str(tmp_path), "--set", "fedsm.lam=2"]) == 2
+    assert "fedsm.lam and fedsm.gamma must lie in [0, 1], got 2.0" in capsys.readouterr().err
+    assert not (tmp_path / "fedsm").exists()
+
+
+@pytest.mark.parametrize("job, override, match", [
+    ("fedsm_infer", {"fedsm": {"lam": 2.0}}, r"server job config: fedsm\.lam"),  # a post-training controller
+    ("iopfl_route", {"iopfl": {"router": "x"}}, r"server job config: iopfl\.router"),
+    ("iopfl", {"iopfl": {"rule": "x"}}, r"server job config: iopfl\.rule"),  # a training one
+])
+def test_the_server_applies_the_methods_rules_to_the_job_it_is_given(job, override, match, tmp_path, monkeypatch):
+    from pflseg.flare.methods import METHODS
+
+    monkeypatch.setenv("PFLSEG_STATE_DIR", str(tmp_path))
+    ctrl = METHODS[job].controller(config=load_job_config(job, overrides=override))  # a hand-edited job's config
+    ctrl.sample_clients = lambda: ["site-1", "site-2"]
+    ctrl.info = ctrl.warning = ctrl.error = lambda msg: None
+    panics: list = []
+    ctrl.panic = panics.append
+    assert ctrl.setup() is None and len(panics) == 1
+    assert re.search(match, panics[0])

@@ -1,5 +1,5 @@
 """Faults handled without a federation: a dead site is asked again each round and left out again (it is
-re-admitted when it answers: tests/unit/flare/test_controllers.py), corrupt checkpoints stop a resume with a
+re-admitted when it answers: tests/unit/flare/controllers/test_base.py), corrupt checkpoints stop a resume with a
 clear error, every torch.load in the package uses weights_only."""
 
 import re
@@ -10,7 +10,7 @@ from nvflare.app_common.abstract.fl_model import FLModel
 
 from pflseg.flare.controllers.base import RoundError
 from pflseg.flare.state import StateError
-from tests.unit.flare.test_controllers import Stub, make
+from tests.unit.flare.controllers.conftest import Stub, make
 
 PACKAGE = Path(__file__).resolve().parents[3] / "custom" / "pflseg"
 
@@ -20,11 +20,11 @@ def test_a_site_that_stopped_answering_is_asked_again_and_left_out_again(tmp_pat
     stub = Stub(ctrl, lambda site, data: None if site == "site-3" else
                 FLModel(params=data.params, metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": 1}))
     ctrl.round(0)
-    ctrl.round(1)
+    out = ctrl.round(1)
     sent = [(task, site) for task, site, _ in stub.sent]
     assert sent.count(("train", "site-3")) == 2 and sent.count(("train", "site-1")) == 2
     assert (ctrl.missing["site-3"].startswith("no result")
-            and set(ctrl.round_metrics["val_dice"]) == {"site-1", "site-2"})
+            and set(out.metrics["val_dice"]) == {"site-1", "site-2"})
 
 
 def test_min_clients_counts_the_dead_site(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ from pflseg.config import ConfigError, load_job_config
 from pflseg.flare.controllers.fedavg import FedAvgController
 from pflseg.flare.guard import result_notes
 from pflseg.flare.state import prefixed, unprefixed
-from tests.unit.flare.test_controllers import BATCH, Stub, make, models_of, scaled
+from tests.unit.flare.controllers.conftest import BATCH, Stub, make, models_of, scaled
 
 N = {"site-1": 10, "site-2": 120, "site-3": 60}  # 12:1 between honest sites, as on the synthetic data
 STEP = {"site-1": 1.0, "site-2": 2.0, "site-3": 3.0}  # honest updates: the global model scaled by 1 + 0.01 * STEP
@@ -39,8 +39,8 @@ def test_honest_sites_12_to_1_are_neither_capped_nor_left_out(tmp_path, monkeypa
     ctrl = make("fedavg", tmp_path, monkeypatch)
     g0 = dict(ctrl.global_state)
     Stub(ctrl, honest)
-    ctrl.round(0)
-    assert not ctrl.missing and not any("n_k_capped" in m for m in ctrl.site_metrics.values()) and ctrl.n_first == N
+    out = ctrl.round(0)
+    assert not ctrl.missing and not any("n_k_capped" in m for m in out.site_metrics.values()) and ctrl.n_first == N
     key = key_of(g0)
     expected = g0[key] * sum(N[s] * (1 + 0.01 * STEP[s]) for s in N) / sum(N.values())
     assert torch.allclose(ctrl.global_state[key], expected, atol=1e-6)
@@ -50,13 +50,13 @@ def test_a_1e30_site_with_n_k_1e6_is_left_out_and_cannot_pick_the_best_round(tmp
     ctrl = make("fedavg", tmp_path, monkeypatch)
     g0 = dict(ctrl.global_state)
     Stub(ctrl, lambda site, data: evil(data) if site == "site-3" else honest(site, data))
-    ctrl.round(0)
+    out = ctrl.round(0)
     assert list(ctrl.missing) == ["site-3"] and "update norm" in ctrl.missing["site-3"]
     key = key_of(g0)
     expected = g0[key] * (10 * 1.01 + 120 * 1.02) / 130  # the honest sites' mean
     assert torch.allclose(ctrl.global_state[key], expected, atol=1e-6)
     assert all(torch.isfinite(v).all() for v in ctrl.global_state.values() if v.is_floating_point())
-    assert ctrl.best["score"] == pytest.approx(0.5) and "site-3" not in ctrl.round_metrics["val_dice"]
+    assert ctrl.best["score"] == pytest.approx(0.5) and "site-3" not in out.metrics["val_dice"]
 
 
 def test_a_plausible_update_with_n_k_1e6_is_capped_to_100x_the_others_median(tmp_path, monkeypatch):
@@ -70,15 +70,15 @@ def test_a_plausible_update_with_n_k_1e6_is_capped_to_100x_the_others_median(tmp
         return res
 
     stub = Stub(ctrl, reply)
-    ctrl.round(0)
+    out = ctrl.round(0)
     cap = 100 * (10 + 120) // 2  # 100 x the median of the other sites' n_k
     assert not ctrl.missing and ctrl.n_first["site-3"] == cap
-    assert ctrl.site_metrics["site-3"]["n_k_claimed"] == 1_000_000 and ctrl.site_metrics["site-3"]["n_k_capped"] == cap
+    assert out.site_metrics["site-3"]["n_k_claimed"] == 1_000_000 and out.site_metrics["site-3"]["n_k_capped"] == cap
     key = key_of(g0)
     expected = g0[key] * (10 * 1.01 + 120 * 1.02 + cap * 1.03) / (10 + 120 + cap)
     assert torch.allclose(ctrl.global_state[key], expected, atol=1e-6)
     assert ctrl.best["score"] == pytest.approx((0.2 * 10 + 0.2 * 120 + 1.0 * cap) / (130 + cap))  # bounded weight
-    ctrl.history.append({"round": 0, "site_metrics": ctrl.site_metrics})  # as run_rounds keeps (and checkpoints) it
+    ctrl.history.append({"round": 0, "site_metrics": out.site_metrics})  # as run_rounds keeps (and checkpoints) it
     assert result_notes(ctrl)["n_k_capped"]["site-3"] == "n_k 1000000 capped to 6500 (round 1)"
     stub.reply = reply
     ctrl.round(1)  # the same n_k again: above its first accepted (capped) value, so it is left out
@@ -130,9 +130,9 @@ def test_grace_update_1000x_is_left_out_and_the_weights_are_the_others(tmp_path,
                        meta={"NUM_STEPS_CURRENT_ROUND": 1})
 
     Stub(ctrl, reply)
-    ctrl.round(0)
+    out = ctrl.round(0)
     assert list(ctrl.missing) == ["site-3"] and "norm" in ctrl.missing["site-3"]
-    assert sorted(ctrl.round_metrics["grace_weights"]) == ["site-1", "site-2"]
+    assert sorted(out.metrics["grace_weights"]) == ["site-1", "site-2"]
     key = key_of(g0)
     assert ctrl.global_state[key].abs().max() <= g0[key].abs().max() * 1.03
 
@@ -219,9 +219,9 @@ def test_a_non_finite_aggregate_keeps_the_previous_global_model(tmp_path, monkey
 
     mean = FedAvgController.aggregate
 
-    def broken(self, results, r):  # an aggregate that overflows (forced)
-        mean(self, results, r)
-        self.global_state = {**self.global_state, key: torch.full_like(g0[key], math.inf)}
+    def broken(self, results, state, r):  # an aggregate that overflows (forced)
+        new, metrics = mean(self, results, state, r)
+        return {**new, key: torch.full_like(g0[key], math.inf)}, metrics
 
     monkeypatch.setattr(type(ctrl), "aggregate", broken)
     ctrl.run_rounds()

@@ -4,8 +4,9 @@ import filecmp
 import json
 from pathlib import Path
 
-from pflseg.config import job_names, load_job_config
+from pflseg.config import check_effective, job_names, load_job_config
 from pflseg.flare.jobs import export_all, export_job
+from pflseg.flare.methods import METHOD_SECTIONS, own_config
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -30,7 +31,11 @@ def test_export_carries_every_effective_value(tmp_path):
     job = export_job("fedprox", tmp_path, overrides={"fedprox": {"mu": 0.5}})
     server = json.loads((job / "app" / "config" / "config_fed_server.json").read_text())
     carried = server["workflows"][0]["args"]["config"]
-    assert carried == load_job_config("fedprox", overrides={"fedprox": {"mu": 0.5}})
+    effective = load_job_config("fedprox", overrides={"fedprox": {"mu": 0.5}})
+    # its own section and every common one; no other method's section (issue 24: "a job carries only its own")
+    assert carried == own_config(effective) and carried["fedprox"] == {"mu": 0.5}
+    assert not (METHOD_SECTIONS - {"fedprox"}) & set(carried) and set(effective) - set(carried)
+    assert check_effective(carried) == effective  # the server and the sites merge the rest from defaults.yaml again
     client = json.loads((job / "app" / "config" / "config_fed_client.json").read_text())
     assert client["executors"][0]["executor"]["path"] == "pflseg.flare.executor.SiteExecutor"
     assert not (job / "app" / "custom").exists()  # package mode: the job carries no code

@@ -7,7 +7,7 @@ from nvflare.app_common.abstract.fl_model import FLModel
 
 from pflseg.flare import metrics_files
 from pflseg.flare.state import prefixed, unprefixed
-from tests.unit.flare.test_controllers import Stub, make
+from tests.unit.flare.controllers.conftest import Stub, make
 
 ENTRY = {"round": 1, "wall_seconds": 2.5, "val_dice_mean": 0.625, "val_dice": {"a": 0.5, "b": 0.75},
          "site_compute_seconds": {"a": 1.0, "b": 2.0},

@@ -15,7 +15,7 @@ from pflseg.config import ConfigError
 from pflseg.flare.controllers.base import add_diff, check_update
 from pflseg.flare.jobs import export_job
 from pflseg.flare.state import prefixed, unprefixed
-from tests.unit.flare.test_controllers import Stub, make, scaled
+from tests.unit.flare.controllers.conftest import Stub, make, scaled
 
 
 def sent_model():

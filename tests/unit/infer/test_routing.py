@@ -6,6 +6,7 @@ from torch import nn
 
 from pflseg.algorithms.routing import build_routed_model, loss_weights, router_parameters, use_batch_stats
 from pflseg.config import ConfigError, load_job_config
+from pflseg.flare.methods import method
 from pflseg.infer.routing import (
     METHODS,
     StaticComparators,
@@ -219,7 +220,7 @@ def test_the_collapse_guard_refuses_departing_rates_before_comparing_losses():
 @pytest.mark.parametrize("bad", [-0.1, 11, True, "0.1", [0.1]])
 def test_a_bad_collapse_guard_is_a_config_error_naming_the_key(bad):
     with pytest.raises(ConfigError, match=r"iopfl\.lr_guard"):
-        load_job_config("iopfl_route", overrides={"iopfl": {"lr_guard": bad}})
+        method(load_job_config("iopfl_route", overrides={"iopfl": {"lr_guard": bad}}))
     assert load_job_config("iopfl_route", overrides={"iopfl": {"lr_guard": 0}})["iopfl"]["lr_guard"] == 0
 
 

@@ -1,11 +1,17 @@
 """Shared machinery of pflseg's server workflows (FLARE ModelController).
 
-A method's controller implements ``round(r)``; this base gives it: ``setup()`` (config, sites, restore), the
-validated job config, one send per site with its own payload (``send_each``), checks of every answer on arrival,
-min_clients, round
-checkpoints with resume, best-global tracking on validation Dice, the final validate + test phase and
-``results.json``. Everything the server keeps between rounds is in the checkpoint, so a stopped job
-resumes from its last completed round.
+A method's controller implements ``round(r)``; this base gives it: ``setup()`` (config, sites, state folder, then
+``init_state``: the whole server state set in one place, fresh or restored), the validated job config, one send per
+site with its own payload (``send_each``), checks of every answer on arrival, min_clients, round checkpoints with
+resume, best-global tracking on validation Dice, the final validate + test phase and ``results.json``. Everything the
+server keeps between rounds is in the checkpoint, so a stopped job resumes from its last completed round.
+
+A round's steps work as Flower's strategies do: each takes the round's answers and the current state and returns
+the new state and its entries of the round's history (``aggregate``, SoftPull, GRACE's re-weighting, LC-Fed's shared
+average, ``track_best``); ``round`` assigns the new state and returns a ``RoundOutput`` (compute seconds, the round's
+entries, the sites' metrics), which the run loop keeps in the history. Nothing a step computes reaches the run loop
+through an attribute. Message keys are named in ``pflseg.flare.wire``; n_k is FLARE's
+``FLMetaKey.NUM_STEPS_CURRENT_ROUND``.
 
 Trust at the boundary: a site's answer is data from another party. ``send_each`` checks each answer in isolation
 before anything uses it (``check_result``; an answer of FLARE's kind DIFF, ``privacy.update.send: diff``, is first
@@ -31,30 +37,21 @@ import math
 import numbers
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from nvflare.apis.analytix import AnalyticsDataType
 from nvflare.apis.utils.analytix_utils import create_analytic_dxo, send_analytic_dxo
-from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+from nvflare.app_common.abstract.fl_model import FLMetaKey, FLModel, ParamsType
 from nvflare.app_common.workflows.model_controller import ModelController
 from nvflare.app_opt.pt.decomposers import TensorDecomposer
 from nvflare.fuel.utils import fobs
 
-from pflseg.config import check_effective
+from pflseg.config import check_effective, check_ranges
 from pflseg.flare import guard, metrics_files
-from pflseg.flare.state import (
-    RoundStore,
-    StateError,
-    claim,
-    inside,
-    prefixed,
-    release,
-    save_file,
-    state_dir,
-    unprefixed,
-    write_text,
-)
+from pflseg.flare.state import RoundStore, StateError, claim, inside, release, save_file, state_dir, write_text
+from pflseg.flare.wire import BEST, GLOBAL, prefixed, unprefixed
 from pflseg.nets import build_net, fit_to_sites
 from pflseg.train.loop import seed_everything
 
@@ -192,6 +189,37 @@ def check_metrics(metrics: dict, required: dict[str, str]) -> str | None:
     return None
 
 
+class Answers(dict):
+    """A task's usable answers, ``{site: FLModel}`` (sorted by site), with what the round's history keeps of them:
+    ``site_metrics``, ``{site: the numbers it reported (not compute_seconds), and its n_k cap (guard.screen)}``."""
+
+    def __init__(self, answers: dict | None = None, site_metrics: dict | None = None):
+        super().__init__(answers or {})
+        self.site_metrics: dict[str, dict] = site_metrics if site_metrics is not None else {}
+
+
+@dataclass
+class RoundOutput:
+    """What one round gives the run loop (``RoundController.round``), kept in the round's history entry.
+
+    Attributes:
+        compute: per-site compute seconds of the round.
+        metrics: the round's own entries: ``val_dice`` (per site) and ``val_dice_mean`` (``track_best``), a method's
+            own (``grace_weights``, ``similarity``, ``head_bytes``, ``selector_loss``, ``selector_val_acc_mean``...).
+        site_metrics: ``Answers.site_metrics`` of the round's answers.
+    """
+
+    compute: dict[str, float]
+    metrics: dict = field(default_factory=dict)
+    site_metrics: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, results: dict, metrics: dict) -> RoundOutput:
+        """The output of a round whose answers are ``results`` (``send_each``'s) and whose entries are ``metrics``."""
+        return cls(compute={s: res.metrics.get("compute_seconds", 0.0) for s, res in results.items()},
+                   metrics=metrics, site_metrics=getattr(results, "site_metrics", {}))
+
+
 class RoundController(ModelController):
     """Base of every pflseg workflow: ``run()`` = restore, rounds, final test, results."""
 
@@ -210,29 +238,43 @@ class RoundController(ModelController):
         self.task_check_period = task_check_period
 
     # ---- the workflow ---------------------------------------------------------------------------
+    #: Bounds of the method's own integer keys that size memory or run time (dotted key -> (lowest, highest)), as
+    #: ``pflseg.config.RANGES`` bounds the common ones; ``check_config`` applies them.
+    ranges: dict[str, tuple[int, int]] = {}
+
     @classmethod
-    def check_config(cls, cfg: dict) -> None:
-        """The method's own config rules (beyond the schema); raise ConfigError naming the key and the fix."""
+    def check_config(cls, cfg: dict, source: str = "config") -> None:
+        """The method's own config rules (beyond the common ones of ``pflseg.config.validate``): its ``ranges``, and
+        in a subclass, after ``super().check_config``, its sections' values; ConfigError naming the key and the fix.
+        ``pflseg.flare.methods.method`` runs it wherever a job is loaded, built, run or received."""
+        check_ranges(cfg, source, cls.ranges, f"{cls.__module__}.{cls.__qualname__}.ranges")
 
     def setup(self) -> int | None:
-        """Everything before the first round: validated config, connected sites, state folder, network size,
-        restored checkpoint. Returns the first round to run, or None after a panic (named in the log)."""
+        """Everything before the first round: validated config, connected sites, state folder (claimed), then the
+        server's state (``init_state``). Returns the first round to run, or None after a panic (named in the log)."""
         fobs.register(TensorDecomposer)  # messages carry torch tensors end to end
-        self.missing: dict[str, str] = {}
-        self.site_metrics: dict = {}
         try:
             self.cfg = check_effective(self.config, "server job config")
-            self.sites = sorted(self.sample_clients())
-            if len(self.sites) < self.cfg["min_clients"]:
-                self.panic(f"{len(self.sites)} site(s) connected but min_clients={self.cfg['min_clients']}")
+            sites = sorted(self.sample_clients())
+            if len(sites) < self.cfg["min_clients"]:
+                self.panic(f"{len(sites)} site(s) connected but min_clients={self.cfg['min_clients']}")
                 return None
-            self.store = self.open_store()
-            self.check_config(self.cfg)
-            self.size_net()
-            return self.restore()
+            store = self.open_store()
+            self.check_config(self.cfg, "server job config")
+            return self.init_state(self.cfg, sites, store)
         except (ValueError, RuntimeError) as exc:  # bad config or name, bad method settings, corrupt checkpoint
             self.panic(str(exc))
             return None
+
+    def init_state(self, cfg: dict, sites: list[str], store: RoundStore) -> int:
+        """The server's whole state, set in one place (``setup`` calls it once the sites are connected; tests call it
+        with a loaded config, site names and a folder): the job config, the sites (sorted), the state folder, the
+        network sized to the sites, no site left out yet, and the models, fresh or, when resuming, those of the last
+        completed round (``restore``, which a method extends with its own state). Returns the first round to run."""
+        self.cfg, self.sites, self.store = cfg, sorted(sites), store
+        self.missing: dict[str, str] = {}
+        self.size_net()
+        return self.restore()
 
     def flare_job_id(self) -> str | None:
         """The FLARE job's id (``simulate_job`` in the simulator); None outside FLARE (tests)."""
@@ -266,16 +308,18 @@ class RoundController(ModelController):
             self.info(f"round {r + 1}/{self.n_rounds()}: sites {self.sites}")
             before = guard.snapshot(self)
             try:
-                compute = self.round(r)
+                out = self.round(r)
             except RoundError as exc:
                 self.panic(str(exc))
                 return
             if self.abort_signal.triggered:
                 return
-            guard.keep_finite(self, r, before)  # a non-finite aggregate is not used: the previous model stays
-            wall = time.time() - t0
+            rejected = guard.keep_finite(self, r, before)  # a non-finite aggregate is not used: the previous one stays
+            if rejected:
+                out.metrics = {**out.metrics, "aggregate_rejected": rejected}
+            wall, compute = time.time() - t0, out.compute
             self.history.append({"round": r, "wall_seconds": wall, "site_compute_seconds": compute,
-                                 "site_metrics": self.site_metrics, **self.round_metrics})
+                                 "site_metrics": out.site_metrics, **out.metrics})
             self.store.save(r, self.checkpoint(r))
             rounds_file = self.store.root / metrics_files.FOLDER / metrics_files.ROUNDS  # FLARE's format, each round
             write_text(rounds_file, metrics_files.round_lines(self.history))
@@ -286,8 +330,10 @@ class RoundController(ModelController):
         """The net config sized to the connected sites (``pflseg.nets.fit_to_sites``)."""
         fit_to_sites(self.cfg["net"], self.sites)
 
-    def round(self, r: int) -> dict:
-        """Run round ``r``: send, collect, aggregate. Returns per-site compute seconds."""
+    def round(self, r: int) -> RoundOutput:
+        """Run round ``r``: send, collect, then the method's steps, each taking the round's answers and the current
+        state and returning the new state (assigned here, in ``round``) and the round's entries. Returns what the
+        run loop keeps of the round (``RoundOutput.of(results, metrics)``)."""
         raise NotImplementedError
 
     def n_rounds(self) -> int:
@@ -308,13 +354,13 @@ class RoundController(ModelController):
             self.store.clear()
             return 0
         ckpt = self.store.load(latest)
-        mismatch = state_mismatch(unprefixed("global", ckpt), self.global_state)
+        mismatch = state_mismatch(unprefixed(GLOBAL, ckpt), self.global_state)
         if mismatch:
             raise ValueError(f"resume: the config no longer matches the checkpoint {self.store.path(latest)} ("
                              f"{mismatch}): the network (net.*) differs from the run that wrote it. Run with that "
                              "run's config, or start afresh (resume: false; pflseg run without --resume)")
-        self.global_state.update(unprefixed("global", ckpt))
-        self.best_state = unprefixed("best", ckpt)
+        self.global_state.update(unprefixed(GLOBAL, ckpt))
+        self.best_state = unprefixed(BEST, ckpt)
         self.history, self.best = list(ckpt["history"]), dict(ckpt["best"])
         self.n_first = dict(ckpt.get("n_first", {}))
         self.info(f"resuming after round {latest + 1} from {self.store.path(latest)}")
@@ -322,18 +368,18 @@ class RoundController(ModelController):
 
     def checkpoint(self, r: int) -> dict:
         return {"round": r, "history": self.history, "best": self.best, "n_first": self.n_first,
-                **prefixed("global", self.global_state), **prefixed("best", self.best_state)}
+                **prefixed(GLOBAL, self.global_state), **prefixed(BEST, self.best_state)}
 
-    def track_best(self, r: int, results: dict[str, FLModel], state: dict) -> None:
-        """Keep the global model with the best n_k-weighted validation Dice (scored at the sites; every answer's
-        val_dice and n_k were checked on arrival)."""
-        scores = [(res.metrics["val_dice"], res.meta.get("NUM_STEPS_CURRENT_ROUND", 1) or 1)
+    def track_best(self, r: int, results: dict[str, FLModel], state: dict) -> dict:
+        """Keep the global model ``state`` when its n_k-weighted validation Dice (scored at the sites; every answer's
+        val_dice and n_k were checked on arrival) is the best so far. Returns the round's entries ``val_dice`` (per
+        site) and ``val_dice_mean``."""
+        scores = [(res.metrics["val_dice"], res.meta.get(FLMetaKey.NUM_STEPS_CURRENT_ROUND, 1) or 1)
                   for res in results.values()]
         score = guard.validation_score(scores, self.cfg)  # n_k capped in send_each (guard.screen)
-        self.round_metrics = {"val_dice": {s: res.metrics["val_dice"] for s, res in results.items()},
-                              "val_dice_mean": score}
         if score > self.best["score"]:
             self.best, self.best_state = {"round": r, "score": score}, dict(state)
+        return {"val_dice": {s: res.metrics["val_dice"] for s, res in results.items()}, "val_dice_mean": score}
 
     def log_scalars(self, tag: str, values: dict[str, float], step: int) -> None:
         """Server-side TensorBoard scalars (``tb_events/<server name>``) through FLARE's analytics receiver."""
@@ -347,8 +393,8 @@ class RoundController(ModelController):
         return FLModel(params=params or {}, params_type=ParamsType.FULL, current_round=r,
                        total_rounds=self.n_rounds(), meta={"pflseg": self.cfg, "sites": self.sites, **meta})
 
-    def send_each(self, task: str, payloads: dict[str, FLModel], reference: dict | None = None) -> dict[str, FLModel]:
-        """Send each site its own payload; wait; return usable results by site (sorted).
+    def send_each(self, task: str, payloads: dict[str, FLModel], reference: dict | None = None) -> Answers:
+        """Send each site its own payload; wait; return usable results by site (sorted), with their site metrics.
 
         A site that fails, times out (``task_timeout``), reports an error or sends an unusable answer
         (``check_result``) is named in the log and in ``self.missing``; fewer than ``min_clients`` usable
@@ -369,8 +415,7 @@ class RoundController(ModelController):
             if self.abort_signal.triggered:
                 return {}
             time.sleep(self.task_check_period)
-        usable = {}
-        self.site_metrics = {}
+        usable = Answers()
         for site in sorted(payloads):
             res = results.get(site)
             reason = None
@@ -384,11 +429,11 @@ class RoundController(ModelController):
                 self.missing[site] = reason
             else:
                 usable[site] = res
-                self.site_metrics[site] = {k: v for k, v in (res.metrics or {}).items()
-                                           if isinstance(v, (int, float)) and k != "compute_seconds"}
+                usable.site_metrics[site] = {k: v for k, v in (res.metrics or {}).items()
+                                             if isinstance(v, (int, float)) and k != "compute_seconds"}
         guard.screen(self, task, payloads, usable, reference)  # norm bounds, n_k caps: relative to the others
         for site, res in usable.items():
-            n_k = res.meta.get("NUM_STEPS_CURRENT_ROUND")
+            n_k = res.meta.get(FLMetaKey.NUM_STEPS_CURRENT_ROUND)
             if n_k is not None:
                 self.n_first.setdefault(site, int(n_k))
         if len(usable) < need:
@@ -440,7 +485,7 @@ class RoundController(ModelController):
     def check_n_k(self, task: str, site: str, meta: dict) -> str | None:
         """n_k (meta NUM_STEPS_CURRENT_ROUND, the aggregation weight): required for ``weighted_tasks``; where
         given, a positive integer, at most ``max_n_samples`` and at most the site's first accepted n_k."""
-        key = "NUM_STEPS_CURRENT_ROUND"
+        key = FLMetaKey.NUM_STEPS_CURRENT_ROUND
         if meta.get(key) is None:
             return f"no {key} (n_k, the aggregation weight)" if task in self.weighted_tasks else None
         n_k = meta[key]
@@ -456,17 +501,21 @@ class RoundController(ModelController):
     # ---- end of training ------------------------------------------------------------------------
     def final_params(self, site: str) -> dict:
         """What the final validate task carries to ``site`` (the global model; empty for methods without one)."""
-        return prefixed("global", self.global_state)
+        return prefixed(GLOBAL, self.global_state)
 
     def extra_results(self) -> dict:
         """Method-specific entries of results.json."""
         return {}
 
-    def personalize(self, last: int, best: dict) -> None:
-        """After training, before the final test (e.g. FT's local fine-tuning of ``best``); default nothing."""
+    def personalize(self, last: int, best: dict) -> dict:
+        """After training, before the final test (e.g. FT's local fine-tuning of ``best``). Returns its entries of
+        results.json; default nothing."""
+        return {}
 
-    def after_test(self, results: dict) -> None:
-        """After the final test, before results are written (e.g. IOP-FL's routing bundle); may add entries."""
+    def after_test(self, results: dict) -> dict:
+        """After the final test, before results are written (e.g. IOP-FL's routing bundle). Returns the entries it
+        adds to ``results`` (read only); default nothing."""
+        return {}
 
     def finish(self) -> None:
         last = self.n_rounds()
@@ -474,8 +523,8 @@ class RoundController(ModelController):
             val = self.send_each("validate", {s: self.message(last, self.final_params(s)) for s in self.sites})
             if self.final_params(self.sites[0]):
                 self.track_best(last, val, self.global_state)
-            best = prefixed("global", self.best_state) if self.best_state else {}
-            self.personalize(last, best)
+            best = prefixed(GLOBAL, self.best_state) if self.best_state else {}
+            personalized = self.personalize(last, best)
             save_file(self.store.final_path, self.checkpoint(last))  # the models the final test scores, for bundles
             tested = self.send_each("test", {s: self.message(last, best) for s in self.sites})
             results = {
@@ -483,10 +532,10 @@ class RoundController(ModelController):
                 "sites": self.sites,
                 "best_global_round": self.best["round"], "missing": self.missing, "history": self.history,
                 "test": {s: res.metrics["test"] for s, res in tested.items()}, "config": self.cfg,
-                **self.extra_results(),
+                **self.extra_results(), **personalized,
                 **guard.result_notes(self),
             }
-            self.after_test(results)
+            results.update(self.after_test(results))
         except RoundError as exc:
             self.panic(str(exc))
             return
@@ -514,13 +563,19 @@ class PostTrainingController(RoundController):
 
     def setup(self) -> int | None:
         fobs.register(TensorDecomposer)
-        self.sites, self.missing, self.history, self.n_first = sorted(self.sample_clients()), {}, [], {}
+        sites = self.sample_clients()
         try:
             self.cfg = check_effective(self.config, "server job config")
-            self.store = self.open_store()
+            self.check_config(self.cfg, "server job config")
+            return self.init_state(self.cfg, sites, self.open_store())
         except (ValueError, StateError) as exc:
             self.panic(str(exc))
             return None
+
+    def init_state(self, cfg: dict, sites: list[str], store: RoundStore) -> int:
+        """A post-training job's state: the job config, the sites (sorted), the state folder; no rounds to restore."""
+        self.cfg, self.sites, self.store = cfg, sorted(sites), store
+        self.missing, self.history, self.n_first = {}, [], {}
         return 0
 
     def run_rounds(self) -> None:

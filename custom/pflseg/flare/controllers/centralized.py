@@ -6,15 +6,15 @@ Only meaningful where pooling is allowed (simulation, or one data root that hold
 
 from __future__ import annotations
 
-from pflseg.flare.controllers.base import RoundController
-from pflseg.flare.state import prefixed, unprefixed
+from pflseg.flare.controllers.base import RoundController, RoundOutput
+from pflseg.flare.wire import GLOBAL, prefixed, unprefixed
 
 
 class CentralizedController(RoundController):
-    def round(self, r: int) -> dict:
+    def round(self, r: int) -> RoundOutput:
         pool = self.sites[0]
-        sent = prefixed("global", self.global_state)
+        sent = prefixed(GLOBAL, self.global_state)
         results = self.send_each("train", {pool: self.message(r, sent)}, reference=sent)
-        self.track_best(r, results, self.global_state)
-        self.global_state = {**self.global_state, **unprefixed("global", results[pool].params)}
-        return {pool: results[pool].metrics.get("compute_seconds", 0.0)}
+        metrics = self.track_best(r, results, self.global_state)
+        self.global_state = {**self.global_state, **unprefixed(GLOBAL, results[pool].params)}
+        return RoundOutput.of(results, metrics)

@@ -32,7 +32,8 @@ from pathlib import Path
 
 from pflseg.config import check_effective
 from pflseg.flare.controllers.base import PostTrainingController, check_update
-from pflseg.flare.state import RoundStore, prefixed, unprefixed, write_text
+from pflseg.flare.state import RoundStore, write_text
+from pflseg.flare.wire import BEST, BEST_PERSON, GLOBAL, PERSON, SITE, prefixed, unprefixed
 from pflseg.nets import build_net
 
 RESULTS = "cross_val_results.json"
@@ -100,12 +101,12 @@ class CrossSiteController(PostTrainingController):
         final test scored one) and the personalized models kept in its checkpoint."""
         models = {}
         if any("global" in t for t in trained["test"].values()):
-            models["global"] = unprefixed("best", ckpt) or unprefixed("global", ckpt)
+            models["global"] = unprefixed(BEST, ckpt) or unprefixed(GLOBAL, ckpt)
         else:
             notes = notes + [f"{trained['method']} has no global model: no 'global' column"]
         if self.personal(trained):
             for site in trained["sites"]:
-                state = unprefixed(f"bestperson.{site}", ckpt) or unprefixed(f"person.{site}", ckpt)
+                state = unprefixed(f"{BEST_PERSON}.{site}", ckpt) or unprefixed(f"{PERSON}.{site}", ckpt)
                 if state:
                     models[site] = state
         return models, notes
@@ -131,7 +132,7 @@ class CrossSiteController(PostTrainingController):
             return {}, {}, notes
         meta = {"trained_job": trained["job"], "bundle": self.cfg["cross_site"]["bundle"]}
         res = self.send_each("own_model", {s: self.message(0, **meta) for s in asked})
-        reference = prefixed("site", dict(build_net(self.cfg["net"]).state_dict()))
+        reference = prefixed(SITE, dict(build_net(self.cfg["net"]).state_dict()))
         own, published = {}, {}
         for site, r in sorted(res.items()):
             own[site] = r.metrics["own"]
@@ -140,7 +141,7 @@ class CrossSiteController(PostTrainingController):
                 notes = notes + [f"{site}'s model scored at {site} only: {reason}"]
                 self.info(f"cross_site: {site}'s own model is scored at {site} only ({reason})")
             else:
-                published[site] = unprefixed("site", r.params)
+                published[site] = unprefixed(SITE, r.params)
         return own, published, notes
 
     def write_matrix(self, matrix: dict, names: list[str], notes: list[str]) -> None:
@@ -156,7 +157,7 @@ class CrossSiteController(PostTrainingController):
 
 def key_of(model: str) -> str:
     """The message prefix of a model: ``global`` or ``person.<site>``."""
-    return "global" if model == "global" else f"person.{model}"
+    return GLOBAL if model == "global" else f"{PERSON}.{model}"
 
 
 def source_of(folder: Path) -> str:

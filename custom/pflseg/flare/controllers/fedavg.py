@@ -7,9 +7,11 @@ n_k-weighted mean of the full state (``pflseg.algorithms.fedavg.weighted_average
 
 from __future__ import annotations
 
+from nvflare.app_common.abstract.fl_model import FLMetaKey
+
 from pflseg.flare import guard
-from pflseg.flare.controllers.base import RoundController
-from pflseg.flare.state import prefixed, unprefixed
+from pflseg.flare.controllers.base import RoundController, RoundOutput
+from pflseg.flare.wire import GLOBAL, prefixed, unprefixed
 
 
 class FedAvgController(RoundController):
@@ -17,16 +19,18 @@ class FedAvgController(RoundController):
         """Keys that travel and are averaged (all of them for FedAvg)."""
         return list(self.global_state)
 
-    def round(self, r: int) -> dict:
+    def round(self, r: int) -> RoundOutput:
         keys = self.shared_keys()
-        sent = prefixed("global", {k: self.global_state[k] for k in keys})
+        sent = prefixed(GLOBAL, {k: self.global_state[k] for k in keys})
         results = self.send_each("train", {s: self.message(r, sent) for s in self.sites}, reference=sent)
-        self.track_best(r, results, self.global_state)
-        self.aggregate(results, r)
-        return {s: res.metrics.get("compute_seconds", 0.0) for s, res in results.items()}
+        metrics = self.track_best(r, results, self.global_state)
+        self.global_state, more = self.aggregate(results, self.global_state, r)
+        return RoundOutput.of(results, {**metrics, **more})
 
-    def aggregate(self, results: dict, r: int) -> None:
-        """Round ``r``: w <- sum_k p_k w_k over the shared keys (or ``robust.aggregation``'s rule)."""
-        states = [unprefixed("global", res.params) for res in results.values()]
-        weights = [res.meta["NUM_STEPS_CURRENT_ROUND"] for res in results.values()]
-        self.global_state = {**self.global_state, **guard.aggregate(self.cfg, states, weights, self.shared_keys())}
+    def aggregate(self, results: dict, state: dict, r: int) -> tuple[dict, dict]:
+        """Round ``r``'s new global model from the sites' answers and the current one ``state``: w <- sum_k p_k w_k
+        over the shared keys (or ``robust.aggregation``'s rule), the other keys kept. Returns (the new global model,
+        the round's entries: none)."""
+        states = [unprefixed(GLOBAL, res.params) for res in results.values()]
+        weights = [res.meta[FLMetaKey.NUM_STEPS_CURRENT_ROUND] for res in results.values()]
+        return {**state, **guard.aggregate(self.cfg, states, weights, self.shared_keys())}, {}

@@ -15,9 +15,10 @@ from pflseg.nets import build_net
 
 class FedBNController(FedAvgController):
     @classmethod
-    def check_config(cls, cfg: dict) -> None:
+    def check_config(cls, cfg: dict, source: str = "config") -> None:
+        super().check_config(cfg, source)
         if cfg["net"]["norm"] != "batch":
-            raise ConfigError(f"method fedbn keeps each site's batch-norm layers at the site, but net.norm="
+            raise ConfigError(f"{source}: method fedbn keeps each site's batch-norm layers at the site, but net.norm="
                               f"{cfg['net']['norm']!r} gives the net none (FedBN would be FedAvg): set net.norm: "
                               "batch, "
                               "or run method fedavg")

@@ -26,8 +26,12 @@ from __future__ import annotations
 import math
 
 import torch
+from nvflare.app_common.abstract.fl_model import FLMetaKey
 
 from pflseg.algorithms.fedsm import (
+    SELECTOR_FITS,
+    SELECTOR_INPUTS,
+    SELECTOR_STEPS,
     TEMPERATURES,
     add_statistics,
     average_moments,
@@ -38,17 +42,37 @@ from pflseg.algorithms.fedsm import (
 )
 from pflseg.algorithms.robust import check_moments
 from pflseg.algorithms.softpull import check_lam, softpull
+from pflseg.config import ConfigError, check_choice, check_lr
 from pflseg.flare import guard
-from pflseg.flare.controllers.base import PostTrainingController, RoundController, is_number
-from pflseg.flare.state import RoundStore, prefixed, unprefixed
-from pflseg.nets.selector import build_selector, selector_cfg
+from pflseg.flare.controllers.base import PostTrainingController, RoundController, RoundOutput, is_number
+from pflseg.flare.state import RoundStore
+from pflseg.flare.wire import (
+    BEST,
+    BEST_PERSON,
+    BEST_SELECT,
+    FAMILIAR,
+    GLOBAL,
+    GRAD,
+    LDA_STATS,
+    MOMENT,
+    PERSON,
+    SELECT,
+    STATS,
+    by_site,
+    only,
+    prefixed,
+    sites_in,
+    split_by_site,
+    unprefixed,
+)
+from pflseg.nets.selector import SELECTOR_DEFAULTS, build_selector, selector_cfg
 
 
 def moment_reference(selector) -> dict:
     """Expected keys and shapes of the selector's flattened Adam moments in a site's answer."""
     ref = {}
     for i, (_, p) in enumerate(selector.named_parameters()):
-        ref.update({f"moment.{i}.exp_avg": p, f"moment.{i}.exp_avg_sq": p, f"moment.{i}.step": torch.zeros(())})
+        ref.update(prefixed(f"{MOMENT}.{i}", {"exp_avg": p, "exp_avg_sq": p, "step": torch.zeros(())}))
     return ref
 
 
@@ -57,14 +81,45 @@ def selector_reference(selector, fedsm: dict) -> dict:
     if fedsm["selector_fit"] == "lda":
         d, c = selector.classifier.in_features, selector.classifier.out_features
         f64 = dict(dtype=torch.float64)
-        return {"stats.gram": torch.zeros(d, d, **f64), "stats.sum": torch.zeros(c, d, **f64),
-                "stats.count": torch.zeros(c, **f64)}
+        return prefixed(STATS, {"gram": torch.zeros(d, d, **f64), "sum": torch.zeros(c, d, **f64),
+                                "count": torch.zeros(c, **f64)})
     if fedsm["selector_steps"] == "epoch":
-        return {f"grad.{name}": p for name, p in selector.named_parameters()}
-    return {**prefixed("select", selector.state_dict()), **moment_reference(selector)}
+        return prefixed(GRAD, dict(selector.named_parameters()))
+    return {**prefixed(SELECT, selector.state_dict()), **moment_reference(selector)}
 
 
-class FedSMController(RoundController):
+class FedSMSection:
+    """The ``fedsm`` section's rules, for every method that reads it (fedsm, fedsm_infer): put first among the bases
+    of its controller, before the ``RoundController`` whose ``check_config`` it extends."""
+
+    ranges = {"fedsm.extra_rounds": (0, 10_000), "fedsm.selector_epochs": (1, 1000)}
+
+    @classmethod
+    def check_config(cls, cfg: dict, source: str = "config") -> None:
+        super().check_config(cfg, source)  # type: ignore[misc]  # the controller's (ranges)
+        fedsm = cfg["fedsm"]
+        check_lr(cfg, "fedsm.selector_lr", source)
+        if not 0.0 <= fedsm["lam"] <= 1.0 or not 0.0 <= fedsm["gamma"] <= 1.0:
+            raise ConfigError(f"{source}: fedsm.lam and fedsm.gamma must lie in [0, 1], got {fedsm['lam']}, "
+                              f"{fedsm['gamma']}")
+        if fedsm["selector"] not in SELECTOR_DEFAULTS or fedsm["selector_steps"] not in SELECTOR_STEPS:
+            raise ConfigError(f"{source}: fedsm.selector must be compact|vgg11 and fedsm.selector_steps epoch|batch")
+        check_choice(cfg, "fedsm.selector_fit", SELECTOR_FITS, source)
+        check_choice(cfg, "fedsm.selector_input", SELECTOR_INPUTS, source)
+        if not 0.0 < fedsm["lda_shrinkage"] <= 1.0:
+            raise ConfigError(f"{source}: fedsm.lda_shrinkage must lie in (0, 1], got {fedsm['lda_shrinkage']}")
+        if fedsm["selector_steps"] == "epoch" and fedsm["selector_epochs"] != 1:
+            raise ConfigError(f"{source}: fedsm.selector_epochs={fedsm['selector_epochs']} needs "
+                              "fedsm.selector_steps: batch; epoch mode takes exactly one full-batch step per round, on "
+                              "the server, on the pooled gradient")
+        if any(not 0.0 <= g <= 1.0 for g in fedsm["gammas"]):
+            raise ConfigError(f"{source}: every fedsm.gammas value must lie in [0, 1], got {fedsm['gammas']}")
+        if not 0.0 < fedsm["familiar_quantile"] <= 1.0:
+            raise ConfigError(f"{source}: fedsm.familiar_quantile must lie in (0, 1] (1 = the largest inside "
+                              f"validation distance), got {fedsm['familiar_quantile']}")
+
+
+class FedSMController(FedSMSection, RoundController):
     task_metrics = {**RoundController.task_metrics, "train_selector": {"selector_loss": "number"}}
     weighted_tasks = (*RoundController.weighted_tasks, "train_selector")
     #: the server state a non-finite aggregate must not replace (``pflseg.flare.guard.keep_finite``)
@@ -84,18 +139,17 @@ class FedSMController(RoundController):
             self.use_selector(build_selector(selector_cfg(self.cfg, len(self.sites) + 1)))
         if start > 0:
             ckpt = self.store.load(start - 1)
-            self.selector = unprefixed("select", ckpt)
-            self.moments = unprefixed("moment", ckpt)
-            self.person = {s: unprefixed(f"person.{s}", ckpt) for s in self.sites}
-            self.lda_stats = {s: unprefixed(f"ldastats.{s}", ckpt) for s in self.sites
-                              if unprefixed(f"ldastats.{s}", ckpt)}
+            self.selector = unprefixed(SELECT, ckpt)
+            self.moments = unprefixed(MOMENT, ckpt)
+            self.person = split_by_site(PERSON, ckpt, self.sites)
+            self.lda_stats = {s: stats for s, stats in split_by_site(LDA_STATS, ckpt, self.sites).items() if stats}
             self.best_selector = dict(ckpt.get("best_selector", self.best_selector))
-            self.best_selector_state = unprefixed("bestselect", ckpt)
+            self.best_selector_state = unprefixed(BEST_SELECT, ckpt)
         self.best_person = {s: {"round": -1, "score": -1.0} for s in self.sites}
         self.best_person_state = {s: dict(self.person[s]) for s in self.sites}
         if start > 0:
             self.best_person = dict(ckpt["best_person"])
-            self.best_person_state = {s: unprefixed(f"bestperson.{s}", ckpt) for s in self.sites}
+            self.best_person_state = split_by_site(BEST_PERSON, ckpt, self.sites)
         return start
 
     def use_selector(self, selector) -> None:
@@ -105,38 +159,38 @@ class FedSMController(RoundController):
         self.selector_ref = selector_reference(selector, self.cfg["fedsm"])
 
     def checkpoint(self, r: int) -> dict:
-        flat = lambda name, states: {k: v for s in states  # noqa: E731
-                                     for k, v in prefixed(f"{name}.{s}", states[s]).items()}
-        return {**super().checkpoint(r), **prefixed("select", self.selector), **prefixed("moment", self.moments),
-                **flat("person", self.person), **flat("bestperson", self.best_person_state),
+        return {**super().checkpoint(r), **prefixed(SELECT, self.selector), **prefixed(MOMENT, self.moments),
+                **by_site(PERSON, self.person), **by_site(BEST_PERSON, self.best_person_state),
                 "best_person": self.best_person,
-                **flat("ldastats", self.lda_stats), **prefixed("bestselect", self.best_selector_state),
+                **by_site(LDA_STATS, self.lda_stats), **prefixed(BEST_SELECT, self.best_selector_state),
                 "best_selector": self.best_selector}
 
-    def track_best(self, r: int, results: dict, state: dict) -> None:
+    def track_best(self, r: int, results: dict, state: dict, selector: dict | None = None) -> dict:
         """Best global as in every method; for each site the personalized model it sent with the best validation
-        Dice at that site; the best selector of those the sites received (what the inference job hands out)."""
-        super().track_best(r, results, state)
+        Dice at that site; the best selector of those the sites received (what the inference job hands out):
+        ``selector``, the one this task sent (default: the final validate task's, ``final_selector``). Returns the
+        round's entries (``val_dice``, ``val_dice_mean``, ``selector_val_acc_mean``)."""
+        metrics = super().track_best(r, results, state)
         for site, res in results.items():
             score = res.metrics.get("val_dice_person")
             if score is not None and score > self.best_person[site]["score"]:
                 self.best_person[site] = {"round": r, "score": score}
                 self.best_person_state[site] = dict(self.person[site])
-        self.track_selector(r, results, self.sent_selector)
+        return {**metrics, **self.track_selector(r, results, self.final_selector() if selector is None else selector)}
 
-    def track_selector(self, r: int, results: dict, sent: dict) -> None:
+    def track_selector(self, r: int, results: dict, sent: dict) -> dict:
         """Keep ``sent`` (the selector the sites received and scored) when its validation accuracy, weighted by
         the sites' n_k, is the best so far; its temperature is the one of lowest summed validation NLL. Sites
-        whose answer carries no usable accuracy (or NLL list) are left out of the mean (of the sum)."""
+        whose answer carries no usable accuracy (or NLL list) are left out of the mean (of the sum). Returns the
+        round's entry ``selector_val_acc_mean`` (none when no site scored it)."""
         acc = {s: res.metrics.get("selector_val_acc") for s, res in results.items()}
         acc = {s: float(a) for s, a in acc.items() if is_number(a) and 0.0 <= a <= 1.0}
         if not acc:
-            return
+            return {}
         weight = {s: self.n_first.get(s, 1) for s in acc}  # first accepted n_k, capped by guard.screen
         score = guard.validation_score([(acc[s], weight[s]) for s in acc], self.cfg)
-        self.round_metrics = {**getattr(self, "round_metrics", {}), "selector_val_acc_mean": score}
         if score <= self.best_selector["score"]:
-            return
+            return {"selector_val_acc_mean": score}
         nll = [res.metrics.get("selector_val_nll") for res in results.values()]
         nll = [v for v in nll if isinstance(v, list) and len(v) == len(TEMPERATURES)
                and all(is_number(x) and math.isfinite(x) for x in v)]
@@ -145,6 +199,7 @@ class FedSMController(RoundController):
         self.best_selector = {"round": r, "score": score, "temperature": temperature, "input": fedsm["selector_input"],
                               "head": "linear" if fedsm["selector_fit"] == "lda" else "mlp"}
         self.best_selector_state = dict(sent)
+        return {"selector_val_acc_mean": score}
 
     def n_rounds(self) -> int:
         return self.cfg["rounds"] + self.cfg["fedsm"]["extra_rounds"]
@@ -159,13 +214,13 @@ class FedSMController(RoundController):
             return reason
         fedsm = self.cfg["fedsm"]
         if fedsm["selector_fit"] == "softmax" and fedsm["selector_steps"] == "batch":
-            n_k = res.meta["NUM_STEPS_CURRENT_ROUND"]
-            reason = check_moments(unprefixed("moment", res.params), self.moments, n_k * fedsm["selector_epochs"])
+            n_k = res.meta[FLMetaKey.NUM_STEPS_CURRENT_ROUND]
+            reason = check_moments(unprefixed(MOMENT, res.params), self.moments, n_k * fedsm["selector_epochs"])
             return f"selector moments: {reason}" if reason else None
         if fedsm["selector_fit"] != "lda":
             return None
-        stats = unprefixed("stats", res.params)
-        count, gram, n_k = stats["count"], stats["gram"], res.meta["NUM_STEPS_CURRENT_ROUND"]
+        stats = unprefixed(STATS, res.params)
+        count, gram, n_k = stats["count"], stats["gram"], res.meta[FLMetaKey.NUM_STEPS_CURRENT_ROUND]
         if (count < 0).any() or not torch.equal(count, count.round()) or int(count.sum()) != n_k:
             return (f"selector statistics: class counts {count.tolist()} are not whole, non-negative and summing to "
                     f"n_k = {n_k}")
@@ -176,49 +231,61 @@ class FedSMController(RoundController):
     def selector_payload(self) -> dict:
         """The selector as the sites receive it (with the averaged moments in batch mode)."""
         batch = self.cfg["fedsm"]["selector_fit"] == "softmax" and self.cfg["fedsm"]["selector_steps"] == "batch"
-        return {**prefixed("select", self.selector), **(prefixed("moment", self.moments) if batch else {})}
+        return {**prefixed(SELECT, self.selector), **(prefixed(MOMENT, self.moments) if batch else {})}
 
-    def fit_selector(self, results: dict) -> None:
-        """The new selector from the sites' answers (see the module docstring)."""
+    def aggregate(self, results: dict, state: dict, r: int) -> tuple[dict, dict]:
+        """The new global model: w_g <- sum_k p_k w_g,k over every key (or ``robust.aggregation``'s rule), so no key
+        of the current ``state`` stays. Returns (the new global model, the round's entries: none)."""
+        weights = [res.meta[FLMetaKey.NUM_STEPS_CURRENT_ROUND] for res in results.values()]
+        return guard.aggregate(self.cfg, [unprefixed(GLOBAL, res.params) for res in results.values()], weights), {}
+
+    def fit_selector(self, results: dict, selector: dict, moments: dict, lda_stats: dict) -> tuple[dict, dict, dict]:
+        """The new selector from the sites' answers and the current ``selector``, its Adam ``moments`` and each
+        site's latest LDA statistics ``lda_stats`` (see the module docstring). Returns the three, new."""
         fedsm = self.cfg["fedsm"]
         if fedsm["selector_fit"] == "lda":
-            self.lda_stats.update({s: unprefixed("stats", res.params) for s, res in results.items()})
-            weight, bias = lda_head(add_statistics(list(self.lda_stats.values())), fedsm["lda_shrinkage"])
-            self.selector = {**self.selector, "classifier.weight": weight, "classifier.bias": bias}
-        elif fedsm["selector_steps"] == "epoch":
-            grads = [unprefixed("grad", res.params) for res in results.values()]
+            lda_stats = {**lda_stats, **{s: unprefixed(STATS, res.params) for s, res in results.items()}}
+            weight, bias = lda_head(add_statistics(list(lda_stats.values())), fedsm["lda_shrinkage"])
+            return {**selector, "classifier.weight": weight, "classifier.bias": bias}, moments, lda_stats
+        if fedsm["selector_steps"] == "epoch":
+            grads = [unprefixed(GRAD, res.params) for res in results.values()]
             if self.cfg["robust"]["aggregation"] != "mean":  # the sum = K x the robust combination (unweighted)
                 combined = guard.aggregate(self.cfg, grads, [1.0] * len(grads))
                 grads = [{k: v * len(results) for k, v in combined.items()}]
-            self.selector, self.moments = pooled_adam_step(self.selector, grads, self.moments, fedsm["selector_lr"])
-        else:
-            weights = [res.meta["NUM_STEPS_CURRENT_ROUND"] for res in results.values()]
-            self.selector = guard.aggregate(self.cfg, [unprefixed("select", res.params) for res in results.values()],
-                                            weights)
-            self.moments = average_moments([unprefixed("moment", res.params) for res in results.values()], weights,
-                                           **guard.robust_args(self.cfg))
+            selector, moments = pooled_adam_step(selector, grads, moments, fedsm["selector_lr"])
+            return selector, moments, lda_stats
+        weights = [res.meta[FLMetaKey.NUM_STEPS_CURRENT_ROUND] for res in results.values()]
+        selector = guard.aggregate(self.cfg, [unprefixed(SELECT, res.params) for res in results.values()], weights)
+        moments = average_moments([unprefixed(MOMENT, res.params) for res in results.values()], weights,
+                                  **guard.robust_args(self.cfg))
+        return selector, moments, lda_stats
 
-    def round(self, r: int) -> dict:
+    def softpull_step(self, results: dict, person: dict) -> dict:
+        """SoftPull ({w_p,k} <- SoftPull({w_p,k}, lam)) over the personalized models the sites sent back; a site that
+        did not answer keeps its model ``person[site]`` (and enters the others' mix as it was). Returns the new
+        {site: personalized model}."""
+        trained = {s: unprefixed(PERSON, res.params) for s, res in results.items()}
+        mixed = softpull([trained.get(s, person[s]) for s in self.sites], self.cfg["fedsm"]["lam"])
+        return {s: (mixed[k] if s in trained else person[s]) for k, s in enumerate(self.sites)}
+
+    def round(self, r: int) -> RoundOutput:
         if r >= self.cfg["rounds"]:
             return self.extra_round(r)
-        self.sent_selector = dict(self.selector)
-        common = {**prefixed("global", self.global_state), **self.selector_payload()}
-        payloads = {s: self.message(r, {**common, **prefixed("person", self.person[s])}, selector_label=k)
+        sent_selector = dict(self.selector)
+        common = {**prefixed(GLOBAL, self.global_state), **self.selector_payload()}
+        payloads = {s: self.message(r, {**common, **prefixed(PERSON, self.person[s])}, selector_label=k)
                     for k, s in enumerate(self.sites)}
-        reference = {**prefixed("global", self.global_state), **prefixed("person", self.global_state),
+        reference = {**prefixed(GLOBAL, self.global_state), **prefixed(PERSON, self.global_state),
                      **self.selector_ref}
         results = self.send_each("train", payloads, reference=reference)
-        self.track_best(r, results, self.global_state)
-        weights = [res.meta["NUM_STEPS_CURRENT_ROUND"] for res in results.values()]
-        self.global_state = guard.aggregate(self.cfg, [unprefixed("global", res.params) for res in results.values()],
-                                            weights)
-        self.fit_selector(results)
-        trained = {s: unprefixed("person", res.params) for s, res in results.items()}
-        mixed = softpull([trained.get(s, self.person[s]) for s in self.sites], self.cfg["fedsm"]["lam"])
-        self.person = {s: (mixed[k] if s in trained else self.person[s]) for k, s in enumerate(self.sites)}
-        return {s: res.metrics.get("compute_seconds", 0.0) for s, res in results.items()}
+        metrics = self.track_best(r, results, self.global_state, sent_selector)
+        self.global_state, more = self.aggregate(results, self.global_state, r)
+        self.selector, self.moments, self.lda_stats = self.fit_selector(results, self.selector, self.moments,
+                                                                        self.lda_stats)
+        self.person = self.softpull_step(results, self.person)
+        return RoundOutput.of(results, {**metrics, **more})
 
-    def extra_round(self, r: int) -> dict:
+    def extra_round(self, r: int) -> RoundOutput:
         """FedSM-extra: only the (K+1)-class selector trains; every site gets all personalized models."""
         # a fresh selector over {global, personalized 1..K}: fresh moments, statistics, best
         if r == self.cfg["rounds"]:
@@ -226,25 +293,27 @@ class FedSMController(RoundController):
             self.use_selector(build_selector(selector_cfg(self.cfg, len(self.sites) + 1)))
             self.moments, self.lda_stats = {}, {}
             self.best_selector, self.best_selector_state = {"round": -1, "score": -1.0}, {}
-        self.sent_selector = dict(self.selector)
-        person = {k: v for s in self.sites for k, v in prefixed(f"person.{s}", self.person[s]).items()}
-        payload = {**prefixed("global", self.global_state), **person, **self.selector_payload()}
+        sent_selector = dict(self.selector)
+        person = by_site(PERSON, {s: self.person[s] for s in self.sites})
+        payload = {**prefixed(GLOBAL, self.global_state), **person, **self.selector_payload()}
         results = self.send_each("train_selector", {s: self.message(r, payload) for s in self.sites},
                                  reference=self.selector_ref)
-        self.round_metrics = {"selector_loss": {s: res.metrics["selector_loss"] for s, res in results.items()}}
-        self.track_selector(r, results, self.sent_selector)
-        self.fit_selector(results)
-        return {s: res.metrics.get("compute_seconds", 0.0) for s, res in results.items()}
+        metrics = {"selector_loss": {s: res.metrics["selector_loss"] for s, res in results.items()},
+                   **self.track_selector(r, results, sent_selector)}
+        self.selector, self.moments, self.lda_stats = self.fit_selector(results, self.selector, self.moments,
+                                                                        self.lda_stats)
+        return RoundOutput.of(results, metrics)
+
+    def final_selector(self) -> dict:
+        """The selector the final validate (and test) task sends, which the sites score as a candidate for the best
+        selector (``track_best``): the last one; none after FedSM-extra rounds (the (K+1)-class selector's labels need
+        every site's models)."""
+        return {} if self.cfg["fedsm"]["extra_rounds"] else dict(self.selector)
 
     def final_params(self, site: str) -> dict:
-        """The final validate (and test) task: global and own personalized model; without FedSM-extra also the
-        final selector, so the sites score it as a candidate for the best selector (``track_best``)."""
-        if self.cfg["fedsm"]["extra_rounds"]:  # the (K+1)-class selector's labels need every site's models
-            self.sent_selector = {}
-            return {**prefixed("global", self.global_state), **prefixed("person", self.person[site])}
-        self.sent_selector = dict(self.selector)
-        return {**prefixed("global", self.global_state), **prefixed("person", self.person[site]),
-                **prefixed("select", self.selector)}
+        """The final validate (and test) task: global and own personalized model and the ``final_selector``."""
+        return {**prefixed(GLOBAL, self.global_state), **prefixed(PERSON, self.person[site]),
+                **prefixed(SELECT, self.final_selector())}
 
     def extra_results(self) -> dict:
         """The selector that inference uses: its round (``rounds`` = the final selector after the last round),
@@ -252,7 +321,7 @@ class FedSMController(RoundController):
         return {"best_selector_round": self.best_selector["round"], "best_selector": self.best_selector}
 
 
-class FedSMInferenceController(PostTrainingController):
+class FedSMInferenceController(FedSMSection, PostTrainingController):
     """Post-training job: hand the trained super model to every connected site (inside sites and sites that
     never trained) and collect, per site, the test Dice of the global, own personalized (inside sites only)
     and super model for every gamma, with how many images each model got (the selection histogram).
@@ -277,16 +346,16 @@ class FedSMInferenceController(PostTrainingController):
                              "set it to the trained run's server state folder, e.g. runs/fedsm/state/server/fedsm")
         source = bundle.final_path if bundle.final_path.is_file() else bundle.path(bundle.latest())
         ckpt = bundle.final()
-        inside = sorted({k.split(".")[1] for k in ckpt if k.startswith("person.")})
-        chosen = "bestperson" if any(k.startswith("bestperson.") for k in ckpt) else "person"
-        person = {"person." + k[len(chosen) + 1:]: v for k, v in ckpt.items() if k.startswith(chosen + ".")}
-        best = unprefixed("best", ckpt) or unprefixed("global", ckpt)
-        selector = unprefixed("bestselect", ckpt) or unprefixed("select", ckpt)
-        info = dict(ckpt.get("best_selector") or {}) if unprefixed("bestselect", ckpt) else {}
+        inside = sites_in(PERSON, ckpt)
+        chosen = BEST_PERSON if only(ckpt, BEST_PERSON) else PERSON
+        person = prefixed(PERSON, unprefixed(chosen, ckpt))
+        best = unprefixed(BEST, ckpt) or unprefixed(GLOBAL, ckpt)
+        selector = unprefixed(BEST_SELECT, ckpt) or unprefixed(SELECT, ckpt)
+        info = dict(ckpt.get("best_selector") or {}) if unprefixed(BEST_SELECT, ckpt) else {}
         meta = {"selector_temperature": float(info.get("temperature", 1.0)),
                 "selector_input": info.get("input", "zscore")}
         familiar, why_not = self.familiarity(ckpt, inside, selector)
-        payload = {**prefixed("global", best), **person, **prefixed("select", selector)}
+        payload = {**prefixed(GLOBAL, best), **person, **prefixed(SELECT, selector)}
         self.info(f"super model from {source}: inside sites {inside}; selector of round {info.get('round', 'last')} "
                   f"(T = {meta['selector_temperature']:.3g}, input {meta['selector_input']}); sending to {self.sites}")
         send = lambda sites, params, **more: self.send_each(  # noqa: E731
@@ -295,13 +364,13 @@ class FedSMInferenceController(PostTrainingController):
             self.info(f"familiarity fallback: none ({why_not})")
             res, report = send(self.sites, payload), {"enabled": False, "reason": why_not}
         else:  # the inside sites first: their validation distances set tau for the sites outside the bundle
-            res = send([s for s in self.sites if s in inside], {**payload, **prefixed("familiar", familiar)})
+            res = send([s for s in self.sites if s in inside], {**payload, **prefixed(FAMILIAR, familiar)})
             tau, report = self.familiar_threshold({s: r.metrics["infer"] for s, r in res.items()})
             outside = [s for s in self.sites if s not in inside]
             if tau is None:
                 res = {**res, **send(outside, payload)}
             else:
-                res = {**res, **send(outside, {**payload, **prefixed("familiar", familiar)}, familiar_tau=tau)}
+                res = {**res, **send(outside, {**payload, **prefixed(FAMILIAR, familiar)}, familiar_tau=tau)}
         infer = {s: r.metrics["infer"] for s, r in sorted(res.items())}
         for r in infer.values():
             r.pop("validation_d2_min", None)  # consumed: tau and the number of values are in the report
@@ -318,7 +387,7 @@ class FedSMInferenceController(PostTrainingController):
         fedsm = self.cfg["fedsm"]
         if not fedsm["familiar_fallback"]:
             return {}, "fedsm.familiar_fallback is false: the selector alone routes every image"
-        stats = [st for st in (unprefixed(f"ldastats.{s}", ckpt) for s in inside) if st]
+        stats = [st for st in split_by_site(LDA_STATS, ckpt, inside).values() if st]
         if not stats:
             return {}, ("the bundle holds no LDA statistics (ldastats.*: a softmax selector): the selector alone "
                         "routes every image")

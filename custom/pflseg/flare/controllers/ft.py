@@ -8,17 +8,19 @@ global model and every fine-tuned epoch. The final test reports both: ``global``
 from __future__ import annotations
 
 from pflseg.flare.controllers.fedavg import FedAvgController
+from pflseg.flare.wire import GLOBAL, prefixed
 
 
 class FTController(FedAvgController):
     task_metrics = {**FedAvgController.task_metrics, "finetune": {"ft_best_epoch": "count", "ft_val_dice": "list"}}
+    ranges = {"ft.epochs": (0, 1000)}
 
-    def personalize(self, last: int, best: dict) -> None:
-        model = best or {f"global.{k}": v for k, v in self.global_state.items()}
+    def personalize(self, last: int, best: dict) -> dict:
+        """Every site fine-tunes ``best`` (the final global model without one). Returns results.json's ``ft``:
+        {site: {"best_epoch", "val_dice": per epoch}}."""
+        model = best or prefixed(GLOBAL, self.global_state)
         done = self.send_each("finetune", {s: self.message(last, model) for s in self.sites})
-        self.ft = {s: {"best_epoch": res.metrics["ft_best_epoch"], "val_dice": res.metrics["ft_val_dice"]}
-                   for s, res in done.items()}
-        self.info(f"fine-tuned: best epoch per site {({s: v['best_epoch'] for s, v in self.ft.items()})}")
-
-    def extra_results(self) -> dict:
-        return {"ft": getattr(self, "ft", {})}
+        ft = {s: {"best_epoch": res.metrics["ft_best_epoch"], "val_dice": res.metrics["ft_val_dice"]}
+              for s, res in done.items()}
+        self.info(f"fine-tuned: best epoch per site {({s: v['best_epoch'] for s, v in ft.items()})}")
+        return {"ft": ft}

@@ -11,31 +11,48 @@ reference code's (``exclude``, job ``grace_refcode``); see ``pflseg.algorithms.g
 
 from __future__ import annotations
 
-from pflseg.algorithms.grace import grace_keys, grace_step
+from nvflare.app_common.abstract.fl_model import FLMetaKey
+
+from pflseg.algorithms.alignment import ALIGNMENTS
+from pflseg.algorithms.grace import MODES, SELF_MODES, grace_keys, grace_step
+from pflseg.algorithms.grace_meta import INNER_STEPS
+from pflseg.config import check_choice, check_lr
 from pflseg.flare.controllers.fedavg import FedAvgController
 from pflseg.flare.guard import robust_args
-from pflseg.flare.state import unprefixed
+from pflseg.flare.wire import GLOBAL, unprefixed
 from pflseg.nets import build_net
 
 
 class GraceController(FedAvgController):
+    @classmethod
+    def check_config(cls, cfg: dict, source: str = "config") -> None:
+        super().check_config(cfg, source)
+        for key in ("grace.inner_lr", "grace.eta_g"):
+            check_lr(cfg, key, source)
+        for key, allowed in (("similarity", MODES), ("self_similarity", SELF_MODES), ("align", ALIGNMENTS),
+                             ("inner_step", INNER_STEPS)):
+            check_choice(cfg, f"grace.{key}", allowed, source)
+
     def restore(self) -> int:
         if len(self.sites) < 2:
             raise ValueError(f"GRACE compares the updates of several sites: it needs at least 2, got {self.sites}")
         return super().restore()
 
-    def aggregate(self, results: dict, r: int) -> None:
+    def aggregate(self, results: dict, state: dict, r: int) -> tuple[dict, dict]:
+        """GRACE's server step (``grace_step``) from the round's updates and the current global model ``state``.
+        Returns (the new global model, the round's entries ``grace_weights`` {site: p'_k} and ``similarity``
+        {"sites", "matrix"}); with ``grace.server: false``, FedAvg's."""
         grace = self.cfg["grace"]
         if not grace["server"]:
-            return super().aggregate(results, r)
+            return super().aggregate(results, state, r)
         trainable, buffers = grace_keys(build_net(self.cfg["net"]))
-        states = [unprefixed("global", res.params) for res in results.values()]
-        weights = [res.meta["NUM_STEPS_CURRENT_ROUND"] for res in results.values()]
-        self.global_state, info = grace_step(
-            self.global_state, states, weights, eta_g=grace["eta_g"], mode=grace["similarity"],
+        states = [unprefixed(GLOBAL, res.params) for res in results.values()]
+        weights = [res.meta[FLMetaKey.NUM_STEPS_CURRENT_ROUND] for res in results.values()]
+        new, info = grace_step(
+            state, states, weights, eta_g=grace["eta_g"], mode=grace["similarity"],
             self_mode=grace["self_similarity"], trainable_keys=trainable, buffer_keys=buffers, **robust_args(self.cfg))
         sites = list(results)
-        self.round_metrics["grace_weights"] = dict(zip(sites, info["p_prime"].tolist()))
-        self.round_metrics["similarity"] = {"sites": sites, "matrix": info["sim"].tolist()}
-        self.log_scalars("grace_weight", self.round_metrics["grace_weights"], r)
-        self.info(f"GRACE weights: {self.round_metrics['grace_weights']}")
+        weights_of = dict(zip(sites, info["p_prime"].tolist()))
+        self.log_scalars("grace_weight", weights_of, r)
+        self.info(f"GRACE weights: {weights_of}")
+        return new, {"grace_weights": weights_of, "similarity": {"sites": sites, "matrix": info["sim"].tolist()}}

@@ -14,33 +14,76 @@ inside site is refused) and collects each site's routing and comparator Dice int
 
 from __future__ import annotations
 
+from pflseg.algorithms.iopfl import RULES
+from pflseg.algorithms.routing import LOSS_WEIGHTS, RESTS, ROUTERS
+from pflseg.config import ConfigError, check_choice
 from pflseg.flare.controllers.base import PostTrainingController
 from pflseg.flare.controllers.fedavg import FedAvgController
-from pflseg.flare.state import load_file, prefixed, save_file, unprefixed
+from pflseg.flare.state import load_file, save_file
+from pflseg.flare.wire import GLOBAL, PERSON, SITE, by_site, only, prefixed, unprefixed
 
 BUNDLE = "bundle.pt"
 
 
-class IOPFLController(FedAvgController):
+class IOPFLSection:
+    """The ``iopfl`` section's rules, for every method that reads it (iopfl, iopfl_route): put first among the bases
+    of its controller, before the ``RoundController`` whose ``check_config`` it extends."""
+
+    ranges = {"iopfl.epochs": (1, 1000), "iopfl.steps": (0, 1_000_000), "iopfl.lr_trial_steps": (0, 1_000_000),
+              "iopfl.batch_size": (1, 1024), "iopfl.shape_radius": (1, 64)}
+
+    @classmethod
+    def check_config(cls, cfg: dict, source: str = "config") -> None:
+        super().check_config(cfg, source)  # type: ignore[misc]  # the controller's (ranges)
+        iopfl = cfg["iopfl"]
+        check_choice(cfg, "iopfl.rule", RULES, source)
+        check_choice(cfg, "iopfl.router", ROUTERS, source)
+        check_choice(cfg, "iopfl.loss_weights", (None, *LOSS_WEIGHTS), source)  # null = the router variant's own
+        check_choice(cfg, "iopfl.rest", (None, *RESTS), source)
+        for key in ("norm_affine", "rot_flip"):  # null = the router variant's own
+            if iopfl[key] is not None and not isinstance(iopfl[key], bool):
+                raise ConfigError(f"{source}: iopfl.{key} must be true, false or null, got {iopfl[key]!r}")
+        grid = iopfl["lr_grid"]  # null = the router variant's own
+        if grid is not None and (not isinstance(grid, list) or len(grid) > 8 or any(
+                isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0 for x in grid)):
+            raise ConfigError(f"{source}: iopfl.lr_grid must be null or a list of at most 8 positive learning rates "
+                              f"([] = iopfl.lr), got {grid!r}")
+        guard = iopfl["lr_guard"]  # null = the router variant's own; 0 = no collapse guard
+        if guard is not None and (isinstance(guard, bool) or not isinstance(guard, (int, float))
+                                  or not 0 <= guard <= 10):
+            raise ConfigError(f"{source}: iopfl.lr_guard must be null or a relative tolerance in [0, 10] (0 = no "
+                              f"collapse guard), got {guard!r}")
+        comparators = iopfl["comparators"]
+        if not isinstance(comparators, bool) and not (isinstance(comparators, list)
+                                                      and all(isinstance(m, str) for m in comparators)):
+            raise ConfigError(f"{source}: iopfl.comparators must be true, false or a list of method names (e.g. "
+                              f"[global, global_bn, tent]), got {comparators!r}")
+        if isinstance(iopfl["lr"], bool) or not iopfl["lr"] >= 0:
+            raise ConfigError(f"{source}: iopfl.lr must be >= 0, got {iopfl['lr']!r}")
+        if not 0.0 <= iopfl["tau"] <= 1.0:
+            raise ConfigError(f"{source}: iopfl.tau must lie in [0, 1], got {iopfl['tau']}")
+
+
+class IOPFLController(IOPFLSection, FedAvgController):
     task_meta = {"submit_model": {"round": "count"}}
 
-    def after_test(self, results: dict) -> None:
-        """With ``iopfl.publish``: every site submits its best P_k; the server writes the routing bundle."""
+    def after_test(self, results: dict) -> dict:
+        """With ``iopfl.publish``: every site submits its best P_k; the server writes the routing bundle. Returns
+        results.json's ``bundle`` (its path) and ``person_round`` ({site: the round of its P_k}); nothing without."""
         if not self.cfg["iopfl"]["publish"] or self.abort_signal.triggered:
-            return
+            return {}
         subs = self.send_each("submit_model", {s: self.message(self.n_rounds()) for s in self.sites},
-                              reference=prefixed("site", self.global_state))
+                              reference=prefixed(SITE, self.global_state))
         bundle = {"sites": sorted(subs), "person_round": {s: int(res.meta["round"]) for s, res in subs.items()},
-                  **prefixed("global", self.best_state or self.global_state)}
-        for site, res in subs.items():
-            bundle.update(prefixed(f"person.{site}", unprefixed("site", res.params)))
+                  **prefixed(GLOBAL, self.best_state or self.global_state),
+                  **by_site(PERSON, {site: unprefixed(SITE, res.params) for site, res in subs.items()})}
         path = self.store.root / BUNDLE
         save_file(path, bundle)
-        results.update({"bundle": str(path), "person_round": bundle["person_round"]})
         self.info(f"routing bundle (global + P_k of {bundle['sites']}) written to {path}")
+        return {"bundle": str(path), "person_round": bundle["person_round"]}
 
 
-class IOPFLRoutingController(PostTrainingController):
+class IOPFLRoutingController(IOPFLSection, PostTrainingController):
     task_metrics = {"route": {"route": "dict"}}
 
     def post_training(self) -> dict:
@@ -60,7 +103,7 @@ class IOPFLRoutingController(PostTrainingController):
             raise ValueError("iopfl.targets: "
                              + ("; ".join(problems) or f"no outside site connected (inside: {inside})")
                              + ". Test-time routing runs at outside sites only: list those in iopfl.targets")
-        payload = {k: v for k, v in bundle.items() if k.startswith(("global.", "person."))}
+        payload = only(bundle, GLOBAL, PERSON)
         self.info(f"routing bundle {path}: experts P_k of {inside} + global; sending to {targets}")
         res = self.send_each("route", {t: self.message(0, payload, inside_sites=inside) for t in targets})
         return {"inside_sites": inside, "targets": targets, "bundle": str(path),

@@ -13,11 +13,12 @@ model on its validation split.
 
 from __future__ import annotations
 
-from pflseg.algorithms.lcfed import average_shared, exchanges_heads
-from pflseg.config import ConfigError
+from pflseg.algorithms.lcfed import CONTRAST_ON, HC_MAPS, average_shared, exchanges_heads
+from pflseg.config import ConfigError, check_choice
+from pflseg.flare.controllers.base import RoundOutput
 from pflseg.flare.controllers.fedavg import FedAvgController
 from pflseg.flare.guard import robust_args
-from pflseg.flare.state import prefixed, unprefixed
+from pflseg.flare.wire import GLOBAL, HEAD, HEADS, by_site, prefixed, split_by_site, unprefixed
 from pflseg.nets import build_net
 from pflseg.nets.lcfed import shared_keys
 
@@ -27,11 +28,33 @@ def nbytes(state: dict) -> int:
 
 
 class LCFedController(FedAvgController):
+    """The ``lcfed`` section's rules are here, for both methods that read it (lcfed, fedrep: a subclass)."""
+
+    ranges = {"lcfed.nms_window": (1, 255), "lcfed.gauss_size": (1, 255), "lcfed.window_ref_size": (0, 1024),
+              "lcfed.head_first_iters": (0, 1_000_000)}
+
     @classmethod
-    def check_config(cls, cfg: dict) -> None:
+    def check_config(cls, cfg: dict, source: str = "config") -> None:
+        super().check_config(cfg, source)
         if cfg["net"]["name"] != "lcfed":
-            raise ConfigError(f"method {cfg['method']} needs net.name: lcfed (personal heads), got "
+            raise ConfigError(f"{source}: method {cfg['method']} needs net.name: lcfed (personal heads), got "
                               f"{cfg['net']['name']!r}")
+        lcfed = cfg["lcfed"]
+        check_choice(cfg, "lcfed.contrast_on", CONTRAST_ON, source)
+        check_choice(cfg, "lcfed.hc_map", HC_MAPS, source)
+        if lcfed["lam"] < 0 or lcfed["head_first_iters"] < 0 or not 0.0 <= lcfed["nms_threshold"] < 1.0:
+            raise ConfigError(f"{source}: lcfed.lam and lcfed.head_first_iters must be >= 0, lcfed.nms_threshold in "
+                              "[0, 1)")
+        if not 0.0 <= lcfed["head_first_fraction"] <= 1.0:
+            raise ConfigError(f"{source}: lcfed.head_first_fraction must lie in [0, 1], got "
+                              f"{lcfed['head_first_fraction']}")
+        if lcfed["head_first_iters"] and lcfed["head_first_fraction"]:
+            raise ConfigError(f"{source}: set one of lcfed.head_first_iters ({lcfed['head_first_iters']}) and "
+                              f"lcfed.head_first_fraction ({lcfed['head_first_fraction']}), not both: set the other to "
+                              "0")
+        if any(lcfed[k] < 1 or lcfed[k] % 2 == 0 for k in ("nms_window", "gauss_size")) or lcfed["gauss_sigma"] < 0:
+            raise ConfigError(f"{source}: lcfed.nms_window and lcfed.gauss_size must be odd >= 1, lcfed.gauss_sigma "
+                              ">= 0")
 
     def shares_heads(self) -> bool:
         """Whether coarse heads are exchanged: HC on with the paper's disagreement map (``lcfed.hc_map``); the
@@ -49,60 +72,67 @@ class LCFedController(FedAvgController):
         self.head_shape = dict(build_net(self.cfg["net"]).head.state_dict())
         self.heads: dict[str, dict] = {}  # site -> its latest coarse head (weight, bias)
         if start > 0:
-            ckpt = self.store.load(start - 1)
-            self.heads = {s: unprefixed(f"heads.{s}", ckpt) for s in self.sites if unprefixed(f"heads.{s}", ckpt)}
+            saved = split_by_site(HEADS, self.store.load(start - 1), self.sites)
+            self.heads = {s: head for s, head in saved.items() if head}
         return start
 
     def checkpoint(self, r: int) -> dict:
-        out = super().checkpoint(r)
-        for site, head in self.heads.items():
-            out.update(prefixed(f"heads.{site}", head))
-        return out
+        return {**super().checkpoint(r), **by_site(HEADS, self.heads)}
 
     def others_heads(self, site: str) -> dict:
+        """What ``site`` is sent of the other sites' coarse heads (``heads.<other>.*``; none without the exchange)."""
         if not self.shares_heads():
             return {}
-        out = {}
-        for other, head in self.heads.items():
-            if other != site:
-                out.update(prefixed(f"heads.{other}", head))
-        return out
+        return by_site(HEADS, {other: head for other, head in self.heads.items() if other != site})
 
-    def track_best(self, r: int, results: dict, state: dict) -> None:
-        super().track_best(r, results, {})  # records the sites' validation Dice; no global model to keep
+    def track_best(self, r: int, results: dict, state: dict) -> dict:
+        return super().track_best(r, results, {})  # records the sites' validation Dice; no global model to keep
 
-    def round(self, r: int) -> dict:
+    def round(self, r: int) -> RoundOutput:
         keys = self.shared_keys()
         body = self.global_state if r == 0 else {k: self.global_state[k] for k in keys}
-        payloads = {s: self.message(r, {**prefixed("global", body), **self.others_heads(s)}) for s in self.sites}
-        reference = prefixed("global", {k: self.global_state[k] for k in keys})
+        payloads = {s: self.message(r, {**prefixed(GLOBAL, body), **self.others_heads(s)}) for s in self.sites}
+        reference = prefixed(GLOBAL, {k: self.global_state[k] for k in keys})
         if self.shares_heads():
-            reference.update(prefixed("head", self.head_shape))
+            reference.update(prefixed(HEAD, self.head_shape))
         results = self.send_each("train", payloads, reference=reference)
-        self.track_best(r, results, self.global_state)
-        states = [unprefixed("global", res.params) for res in results.values()]
-        self.global_state.update({k: v for k,
-                                  v in average_shared(states, keys, **robust_args(self.cfg))[0].items() if k in keys})
+        metrics = self.track_best(r, results, self.global_state)
+        self.global_state, more = self.aggregate(results, self.global_state, r)
         if self.shares_heads():
-            down = sum(nbytes(unprefixed("heads", p.params)) for s, p in payloads.items() if s in results)
-            for site, res in results.items():
-                self.heads[site] = unprefixed("head", res.params)
-            up = sum(nbytes(unprefixed("head", res.params)) for res in results.values())
-            self.round_metrics["head_bytes"] = {"up": up, "down": down}
-        return {s: res.metrics.get("compute_seconds", 0.0) for s, res in results.items()}
+            self.heads, exchanged = self.exchange_heads(results, payloads, self.heads)
+            more = {**more, **exchanged}
+        return RoundOutput.of(results, {**metrics, **more})
+
+    def aggregate(self, results: dict, state: dict, r: int) -> tuple[dict, dict]:
+        """The new model from the sites' shared parts and the current one ``state``: the plain (equal-weight) average
+        of the shared keys (PCS included; ``average_shared``, or ``robust.aggregation``'s rule), the heads kept.
+        Returns (the new model, the round's entries: none)."""
+        keys = self.shared_keys()
+        states = [unprefixed(GLOBAL, res.params) for res in results.values()]
+        averaged = average_shared(states, keys, **robust_args(self.cfg))[0]
+        return {**state, **{k: v for k, v in averaged.items() if k in keys}}, {}
+
+    def exchange_heads(self, results: dict, payloads: dict, heads: dict) -> tuple[dict, dict]:
+        """HC's head exchange after a round: each answering site's coarse head becomes its latest in ``heads`` (site
+        -> head). Returns (the new heads, the round's entry ``head_bytes`` {"up", "down"}: the bytes of the heads the
+        answering sites sent and were sent)."""
+        down = sum(nbytes(unprefixed(HEADS, p.params)) for s, p in payloads.items() if s in results)
+        up = sum(nbytes(unprefixed(HEAD, res.params)) for res in results.values())
+        new = {**heads, **{site: unprefixed(HEAD, res.params) for site, res in results.items()}}
+        return new, {"head_bytes": {"up": up, "down": down}}
 
     def final_params(self, site: str) -> dict:
-        return {**prefixed("global", {k: self.global_state[k] for k in self.shared_keys()}), **self.others_heads(site)}
+        return {**prefixed(GLOBAL, {k: self.global_state[k] for k in self.shared_keys()}), **self.others_heads(site)}
 
 
 class FedRepController(LCFedController):
     """FedRep: the same workflow without HC (no head leaves a site)."""
 
     @classmethod
-    def check_config(cls, cfg: dict) -> None:
-        super().check_config(cfg)
+    def check_config(cls, cfg: dict, source: str = "config") -> None:
+        super().check_config(cfg, source)
         if cfg["lcfed"]["head_first_iters"] < 1 and not cfg["lcfed"]["head_first_fraction"]:
-            raise ConfigError("fedrep trains the head first: set lcfed.head_first_fraction > 0 (e.g. 0.2) "
+            raise ConfigError(f"{source}: fedrep trains the head first: set lcfed.head_first_fraction > 0 (e.g. 0.2) "
                               "or lcfed.head_first_iters >= 1")
 
     def shares_heads(self) -> bool:

@@ -5,16 +5,15 @@ The server only orchestrates rounds and collects metrics; each site's model live
 
 from __future__ import annotations
 
-from pflseg.flare.controllers.base import RoundController
-from pflseg.flare.state import prefixed
+from pflseg.flare.controllers.base import RoundController, RoundOutput
+from pflseg.flare.wire import GLOBAL, prefixed
 
 
 class LocalController(RoundController):
-    def round(self, r: int) -> dict:
-        params = prefixed("global", self.global_state) if r == 0 else {}
+    def round(self, r: int) -> RoundOutput:
+        params = prefixed(GLOBAL, self.global_state) if r == 0 else {}
         results = self.send_each("train", {s: self.message(r, params) for s in self.sites}, reference={})
-        self.round_metrics = {"val_dice": {s: res.metrics["val_dice"] for s, res in results.items()}}
-        return {s: res.metrics.get("compute_seconds", 0.0) for s, res in results.items()}
+        return RoundOutput.of(results, {"val_dice": {s: res.metrics["val_dice"] for s, res in results.items()}})
 
     def final_params(self, site: str) -> dict:
         return {}

@@ -1,14 +1,21 @@
 """The site side of every pflseg job: ``Site`` holds what all methods share, a method's site class
 (``pflseg.flare.sites.<method>``) overrides a few hooks and adds its own tasks.
 
-The round skeleton (``Site.train``)::
+The round skeleton (``Site.run_round``; task ``train`` runs it with the method's ``step``)::
 
-    seed, prev = begin_round(r)                # seed from (seed, site, r); the site's latest completed state
-    model      = model_for_round(params, r)    # the method's model for this site now
-    before     = score_before(model, r)        # validation Dice of what the site received
-    hooks      = round_hooks(model, prev)      # the method's plug-ins to the one training loop
+    seed = derive_seed(seed, site, r)          # everything seeded; a fresh job clears old state at round 0
+    prev = previous(r)                         # the site's latest completed state ({} in round 0); the one
+                                               #   "no state before round r" error when the method ``keeps`` one
+    send, keep, metrics, n = step(received, prev, seed)  # the method's round; ``training_time`` marks its training
+    save keep as round r's state; reply(send, metrics + train_seconds, n)  # privacy.update applies to send
+
+The default ``step`` (FedAvg and the methods built like it: FedProx, FedBN, Local, FT, GRACE, Centralized)::
+
+    model = model_for_round(received, prev)    # the method's model for this site now
+    before = score_before(model, r)            # validation Dice of what the site received
+    hooks = round_hooks(model, prev)           # the method's plug-ins to the one training loop
     fit(...)                                   # the one loop (pflseg.train.train_epochs)
-    save state; after = score_after(model, r); reply(upload(trained), metrics)
+    after = score_after(model, r); send upload(trained), keep the trained model and its optimizer state
 
 The job's configuration arrives from the server (``meta["pflseg"]``); the site's data, device and state
 folder come from its own local settings (``pflseg.flare.settings``). Everything kept between rounds is on
@@ -27,6 +34,9 @@ import hashlib
 import hmac
 import logging
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
@@ -45,6 +55,7 @@ from pflseg.train import (
     derive_seed,
     evaluate,
     make_loader,
+    peak_gpu_memory,
     pick_device,
     seed_everything,
     train_epochs,
@@ -60,6 +71,15 @@ def cpu_state(model: torch.nn.Module) -> dict:
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
+class Step(NamedTuple):
+    """What a method's round step hands the skeleton (``Site.run_round``)."""
+
+    send: dict  # what the site sends (``reply``: privacy.update applies to it)
+    keep: dict  # the site's state of this round, saved on disk (``RoundStore``); unused by tasks without state
+    metrics: dict  # the round's metrics; the skeleton adds ``train_seconds``
+    n_samples: int | None  # the update's weight n_k; None: the reply is no model update
+
+
 class Site:
     """One site's side of a pflseg job: data, model and state on disk.
 
@@ -73,10 +93,13 @@ class Site:
         exchanges_models: whether what the site receives while training is made from the other sites' models (a
             deployed site refuses such a job of exactly two sites unless its policy allows it:
             ``pflseg.flare.policy``).
+        keeps: what of the site's model lives only in its state on disk, in words (every round after its first
+            needs it: ``previous``); None: the site's model is made from what it receives.
     """
 
     personalized = True
     exchanges_models = True
+    keeps: str | None = None
 
     @classmethod
     def personal_models_sent(cls, cfg: dict) -> str | None:
@@ -111,6 +134,7 @@ class Site:
         self._told: set = set()  # fall-backs already named in the log
         self.net = build_net(cfg["net"])
         self._data: dict = {}
+        self._train_s = 0.0  # the running round's training time (``training_time``)
 
     def pooled_sites(self) -> list[str] | None:
         """Sites whose training data this site pools (Centralized); None: its own data only."""
@@ -148,7 +172,9 @@ class Site:
         return ConcatDataset(parts)
 
     def evaluate(self, model, split: str = "validation", surface: bool = False) -> dict:
-        return evaluate(model, self.data(split), self.device, self.cfg["train"]["eval_batch_size"], surface=surface)
+        train = self.cfg["train"]
+        return evaluate(model, self.data(split), self.device, train["eval_batch_size"], surface=surface,
+                        amp=train["amp"], channels_last=train["channels_last"])
 
     # ---- tasks ----------------------------------------------------------------------------------
     def tasks(self) -> dict:
@@ -156,15 +182,61 @@ class Site:
         return {"train": self.train, "validate": self.validate, "test": self.test}
 
     # ---- the round skeleton ---------------------------------------------------------------------
-    def begin_round(self, r: int) -> tuple[int, dict]:
-        """Round ``r`` starts: a fresh job clears old state at round 0; seed everything; the site's latest
-        completed state before round ``r`` (``latest_state``; {} in round 0)."""
-        if r == 0 and not self.cfg["resume"]:
+    def train(self, msg: FLModel) -> FLModel:
+        """Task ``train``: the round skeleton with the method's ``step``."""
+        return self.run_round(msg, self.step)
+
+    def run_round(self, msg: FLModel, step: Callable[[FLModel, dict, int], Step], state: bool = True) -> FLModel:
+        """The round skeleton: round ``r = msg.current_round`` seeded from (seed, site, r), ``step(msg, prev, seed)``
+        run on the site's state before round ``r`` (``previous``), the time spent in its ``training_time`` reported
+        as ``train_seconds``, its ``keep`` saved as the site's state of round ``r``, its ``send`` and metrics
+        replied (``reply``: privacy.update applies).
+
+        A fresh job (not ``resume``) clears the site's old state at round 0. ``state=False``: a task outside the
+        rounds' state (FedSM-extra's selector rounds, FT's fine-tuning): no previous state (``prev`` = {}), nothing
+        saved.
+        """
+        r = msg.current_round
+        if state and r == 0 and not self.cfg["resume"]:
             self.store.clear()
             self.best_path.unlink(missing_ok=True)
         seed = derive_seed(self.cfg["seed"], self.name, r)
         seed_everything(seed)
-        return seed, self.latest_state(r)[1]
+        prev = self.previous(r) if state else {}
+        self._train_s = 0.0
+        out = step(msg, prev, seed)
+        if state:
+            self.store.save(r, {"round": r, **out.keep})
+        metrics = {**out.metrics, "train_seconds": self._train_s}
+        peak = peak_gpu_memory(self.device)  # since the round's last local training began; None on a CPU: no key
+        if peak is not None:
+            metrics["peak_gpu_mib"] = peak / 2**20
+        return self.reply(out.send, metrics, out.n_samples, received=msg)
+
+    @contextmanager
+    def training_time(self) -> Iterator[None]:
+        """The time spent inside counts as the round's training (``train_seconds``, reported by ``run_round``)."""
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            self._train_s += time.time() - t0
+
+    def previous(self, r: int) -> dict:
+        """The site's latest completed state before round ``r`` (``latest_state``; {} in round 0).
+
+        A site that ``keeps`` part of its model there and finds no state in a later round either ``joins_late``
+        ({}: it starts from what it receives) or, in a resumed job, raises the error naming its state folder.
+        """
+        if r <= 0:
+            return {}
+        state = self.latest_state(r)[1]
+        if self.keeps and not state and not self.joins_late(r):
+            raise RuntimeError(
+                f"site {self.name}: no state before round {r} in {self.store.root} (it keeps {self.keeps} there); "
+                "the site state was removed or the job was resumed at another site"
+            )
+        return state
 
     def latest_state(self, r: int) -> tuple[int | None, dict]:
         """``(round, state)`` of the site's latest completed round before round ``r``; ``(None, {})`` when none.
@@ -204,34 +276,24 @@ class Site:
             self._told.add(("late", r))
         return True
 
-    def require_own(self, round_num: int) -> dict | None:
-        """The site's own model from its latest completed round before ``round_num`` (None in round 0 and when
-        the site ``joins_late``); an error when a later round finds none (state removed, moved site)."""
-        if round_num <= 0:
-            return None
-        own = unprefixed("model", self.latest_state(round_num)[1])
-        if not own and self.joins_late(round_num):
-            return None
-        if not own:
-            raise RuntimeError(
-                f"site {self.name}: no state before round {round_num} in {self.store.root}; "
-                "the site state was removed or the job was resumed at another site"
-            )
-        return own
-
-    def model_for_round(self, received: dict, round_num: int) -> torch.nn.Module:
-        """The method's model for this site now; default: the received global model."""
+    def model_for_round(self, received: dict, prev: dict) -> torch.nn.Module:
+        """The method's model for this site now, from the ``received`` params and the site's state ``prev``
+        (``previous``; {}: what was received alone); default: the received global model."""
         self.net.load_state_dict({**self.net.state_dict(), **unprefixed("global", received)})
         return self.net
 
     def track(self, model, round_num: int) -> dict:
-        """Validation metrics of ``model``; it becomes the site's best model (``best.pt``) if it scores higher."""
+        """Validation metrics of ``model``; it becomes the site's best model (``best.pt``: ``best_state``) if it
+        scores higher."""
         metrics = self.evaluate(model)
         best = load_file(self.best_path) if self.best_path.is_file() else None
         if best is None or metrics["dice"] > best["score"]:
-            save_file(self.best_path,
-                      {"round": round_num, "score": metrics["dice"], **prefixed("model", cpu_state(model))})
+            save_file(self.best_path, {"round": round_num, "score": metrics["dice"], **self.best_state(model)})
         return metrics
+
+    def best_state(self, model) -> dict:
+        """What ``best.pt`` keeps of ``model`` besides its round and score: its weights (``model.``)."""
+        return prefixed("model", cpu_state(model))
 
     def score_before(self, model, round_num: int) -> dict:
         """Before local training: the received model is a candidate for the site's best."""
@@ -261,9 +323,10 @@ class Site:
             extra.to(self.device)
         optimizer = build_optimizer(model, self.device, lr or cfg["lr"], state,
                                     extra=list(extra.parameters()) if extra is not None else None)
-        loader = make_loader(self.data("training"), batch_size or cfg["batch_size"], shuffle=True, seed=seed)
+        loader = make_loader(self.data("training"), batch_size or cfg["batch_size"], shuffle=True, seed=seed,
+                             device=self.device)
         stats = train_epochs(model, loader, optimizer, loss or build_loss(cfg["loss"]), epochs or cfg["epochs"],
-                             self.device, hooks)
+                             self.device, hooks, amp=cfg["amp"], channels_last=cfg["channels_last"])
         return stats, optimizer.state_dict()
 
     def reply(self, params: dict, metrics: dict, n_samples: int | None = None, received: FLModel | None = None,
@@ -340,24 +403,23 @@ class Site:
         names = [n for n, m in self.net.named_modules() if m in batch_norms(self.net)]
         return [f"{p}{n}.running_var" for p in self.dp_prefixes for n in names]
 
-    def train(self, msg: FLModel) -> FLModel:
-        r = msg.current_round
-        seed, prev = self.begin_round(r)
-        model = self.model_for_round(msg.params, r)
+    def step(self, received: FLModel, prev: dict, seed: int) -> Step:
+        """A FedAvg-like round: the method's model (``model_for_round``) scored, trained with the one loop and the
+        method's hooks, scored again; sends ``upload(trained)``, keeps the trained model, its optimizer state and
+        the module trained alongside (``disc.``)."""
+        r = received.current_round
+        model = self.model_for_round(received.params, prev)
         before = self.score_before(model, r)
-        t0 = time.time()
-        hooks, extra = self.round_hooks(model, prev)
-        stats, optim = self.fit(model, "model", prev, seed, hooks, extra=extra)
-        train_s = time.time() - t0
+        with self.training_time():
+            hooks, extra = self.round_hooks(model, prev)
+            stats, optim = self.fit(model, "model", prev, seed, hooks, extra=extra)
         trained = cpu_state(model)
         kept = prefixed("disc", cpu_state(extra)) if extra is not None else {}
-        self.store.save(r, {"round": r, "optim.model": optim, **prefixed("model", trained), **kept})
-        params = self.upload(trained)
         after = self.score_after(model, r)
         metrics = {"val_dice": before["dice"], "val_dice_local": after["dice"], "train_loss": stats["loss"],
-                   "train_seconds": train_s, "n_samples": stats["samples"], "steps": stats["steps"],
-                   **self.round_metrics()}
-        return self.reply(params, metrics, stats["samples"], received=msg)
+                   "n_samples": stats["samples"], "steps": stats["steps"], **self.round_metrics()}
+        return Step(self.upload(trained), {"optim.model": optim, **prefixed("model", trained), **kept}, metrics,
+                    stats["samples"])
 
     def round_metrics(self) -> dict:
         """Method-specific numbers of the round, added to the reply's metrics."""
@@ -365,9 +427,11 @@ class Site:
 
     # ---- after training -------------------------------------------------------------------------
     def validate(self, msg: FLModel) -> FLModel:
-        """Score the model the site would use now (the received final global model) and track it."""
-        model = self.model_for_round(msg.params, msg.current_round)
-        return self.reply({}, {"val_dice": self.track(model, msg.current_round)["dice"]})
+        """Score the model the site would use now (made from the received final global model and, if the site
+        ``keeps`` part of it, its latest state) and track it."""
+        r = msg.current_round
+        model = self.model_for_round(msg.params, self.previous(r) if self.keeps else {})
+        return self.reply({}, {"val_dice": self.track(model, r)["dice"]})
 
     def test(self, msg: FLModel) -> FLModel:
         """Test metrics of the server's selected global model (if the method has one; with ``train.adabn`` also
@@ -397,8 +461,10 @@ class Site:
             log.info("site %s: no global_adabn: net.norm=%s keeps no batch-norm statistics to re-estimate",
                      self.name, self.cfg["net"]["norm"])
             return False
-        adabn(model, make_loader(self.data("training", own=True), self.cfg["train"]["eval_batch_size"], shuffle=False),
-              self.device)
+        train = self.cfg["train"]
+        loader = make_loader(self.data("training", own=True), train["eval_batch_size"], shuffle=False,
+                             device=self.device)
+        adabn(model, loader, self.device, amp=train["amp"], channels_last=train["channels_last"])
         return True
 
     def draw_overlays(self, model, scored: dict) -> list:

@@ -9,16 +9,16 @@ from pflseg.flare.state import prefixed, unprefixed
 
 
 class FedBNSite(Site):
+    keeps = "its normalisation layers"
+
     def __init__(self, name: str, cfg: dict, sites: list[str], job_id: str | None = None):
         super().__init__(name, cfg, sites, job_id)
         self.norm = norm_keys(self.net)
 
-    def model_for_round(self, received: dict, round_num: int):
-        own = self.require_own(round_num)
-        state = {**self.net.state_dict(), **unprefixed("global", received)}
-        if own is not None:
-            state.update({k: v for k, v in own.items() if k in self.norm})
-        self.net.load_state_dict(state)
+    def model_for_round(self, received: dict, prev: dict):
+        own = unprefixed("model", prev)
+        self.net.load_state_dict({**self.net.state_dict(), **unprefixed("global", received),
+                                  **{k: v for k, v in own.items() if k in self.norm}})
         return self.net
 
     def upload(self, trained: dict) -> dict:

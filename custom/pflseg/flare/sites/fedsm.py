@@ -26,8 +26,6 @@ without it (``super_nofallback``) and how many of its images fell back (``fallba
 
 from __future__ import annotations
 
-import time
-
 import torch
 from nvflare.app_common.abstract.fl_model import FLModel
 
@@ -44,12 +42,12 @@ from pflseg.algorithms.fedsm import (
     unflatten_optimizer_state,
 )
 from pflseg.data import load_dataset_info
-from pflseg.flare.sites.base import Site, cpu_state
+from pflseg.flare.sites.base import Site, Step, cpu_state
 from pflseg.flare.state import prefixed, unprefixed
 from pflseg.infer.fedsm import evaluate_super_model
 from pflseg.nets import build_net
 from pflseg.nets.selector import build_selector, selector_cfg
-from pflseg.train import Hooks, build_loss, build_optimizer, derive_seed, make_loader, seed_everything, train_epochs
+from pflseg.train import Hooks, build_loss, build_optimizer, make_loader, train_epochs
 
 
 class FedSMSite(Site):
@@ -65,30 +63,26 @@ class FedSMSite(Site):
         person.load_state_dict(unprefixed("person", received))
         return person
 
-    def train(self, msg: FLModel) -> FLModel:
+    def step(self, received: FLModel, prev: dict, seed: int) -> Step:
         """Train the global model and this site's personalized model; score the received selector and send this
-        site's part of its fit (label k)."""
-        r = msg.current_round
-        seed, prev = self.begin_round(r)
-        person = self.personalized_model(msg.params)
+        site's part of its fit (label k); keep both models' optimizer states."""
+        r, params = received.current_round, received.params
+        person = self.personalized_model(params)
         val_p = self.track(person, r)  # the site's own best model is its personalized one
-        glob = self.model_for_round(msg.params, r)
+        glob = self.model_for_round(params, prev)
         val_g = self.evaluate(glob)
-        t0 = time.time()
-        stats, optim_g = self.fit(glob, "global", prev, seed)
-        _, optim_p = self.fit(person, "person", prev, seed)
-        labels_of = self.site_labels(int(msg.meta["selector_label"]))
-        # the federation's selector, as used at inference
-        selector = self.received_selector(msg.params, len(self.sites))
-        scored = self.score_selector(selector, labels_of)  # before it is fitted on: the received one
-        sel_params, sel_metrics = self.fit_selector(selector, labels_of, msg, seed)
-        train_s = time.time() - t0
-        self.store.save(r, {"round": r, "optim.global": optim_g, "optim.person": optim_p})
-        params = {**prefixed("global", cpu_state(glob)), **prefixed("person", cpu_state(person)), **sel_params}
+        with self.training_time():
+            stats, optim_g = self.fit(glob, "global", prev, seed)
+            _, optim_p = self.fit(person, "person", prev, seed)
+            labels_of = self.site_labels(int(received.meta["selector_label"]))
+            # the federation's selector, as used at inference
+            selector = self.received_selector(params, len(self.sites))
+            scored = self.score_selector(selector, labels_of)  # before it is fitted on: the received one
+            sel_params, sel_metrics = self.fit_selector(selector, labels_of, received, seed)
+        send = {**prefixed("global", cpu_state(glob)), **prefixed("person", cpu_state(person)), **sel_params}
         metrics = {"val_dice": val_g["dice"], "val_dice_person": val_p["dice"], "train_loss": stats["loss"],
-                   **scored, **sel_metrics, "train_seconds": train_s, "n_samples": stats["samples"],
-                   "steps": stats["steps"]}
-        return self.reply(params, metrics, stats["samples"], received=msg)
+                   **scored, **sel_metrics, "n_samples": stats["samples"], "steps": stats["steps"]}
+        return Step(send, {"optim.global": optim_g, "optim.person": optim_p}, metrics, stats["samples"])
 
     def site_labels(self, label: int):
         """FedSM's selector labels of a batch of this site: ``label`` (its index k) for every sample."""
@@ -182,14 +176,17 @@ class FedSMSite(Site):
         return params, {"selector_loss": stats["loss"], **local}
 
     def train_selector(self, msg: FLModel) -> FLModel:
+        """Task ``train_selector`` (FedSM-extra): the round skeleton, outside the rounds' state, with
+        ``selector_step``."""
+        return self.run_round(msg, self.selector_step, state=False)
+
+    def selector_step(self, received: FLModel, prev: dict, seed: int) -> Step:
         """FedSM-extra round: label each training sample with the candidate model (0 = global, k + 1 =
         personalized model of site k) of lowest segmentation loss on it, and train the (K+1)-class selector."""
-        seed = derive_seed(self.cfg["seed"], self.name, msg.current_round)
-        seed_everything(seed)
         candidates = []  # 0 = global, k + 1 = personalized model of site k
         for prefix in ["global"] + [f"person.{site}" for site in self.sites]:
             net = build_net(self.cfg["net"])
-            net.load_state_dict(unprefixed(prefix, msg.params))
+            net.load_state_dict(unprefixed(prefix, received.params))
             candidates.append(net.to(self.device).eval())
         per_sample = build_loss(self.cfg["train"]["loss"], reduction="none")
 
@@ -198,18 +195,17 @@ class FedSMSite(Site):
             losses = [per_sample(m(batch["image"]), batch["label"]).flatten(1).mean(1) for m in candidates]
             return selector_labels_extra(torch.stack(losses, dim=1).cpu())
 
-        t0 = time.time()
-        selector = self.received_selector(msg.params, len(self.sites) + 1)
-        scored = self.score_selector(selector, labels_of)
-        params, sel_metrics = self.fit_selector(selector, labels_of, msg, seed)
-        metrics = {**scored, **sel_metrics, "train_seconds": time.time() - t0}
-        return self.reply(params, metrics, len(self.data("training")), received=msg)
+        with self.training_time():
+            selector = self.received_selector(received.params, len(self.sites) + 1)
+            scored = self.score_selector(selector, labels_of)
+            params, sel_metrics = self.fit_selector(selector, labels_of, received, seed)
+        return Step(params, {}, {**scored, **sel_metrics}, len(self.data("training")))
 
     def validate(self, msg: FLModel) -> FLModel:
         """The global model scored for the server's choice; the personalized model tracked as the site's own; the
         final selector, when sent (FedSM's K-class one: labels are the site's index in the federation's site
         order, as in training), scored as in a round (a candidate for the server's best selector)."""
-        val = self.evaluate(self.model_for_round(msg.params, msg.current_round))
+        val = self.evaluate(self.model_for_round(msg.params, {}))
         val_p = self.track(self.personalized_model(msg.params), msg.current_round)
         metrics = {"val_dice": val["dice"], "val_dice_person": val_p["dice"]}
         if unprefixed("select", msg.params):

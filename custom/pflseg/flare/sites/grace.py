@@ -76,4 +76,4 @@ class GraceSite(FedAvgSite):
         only with ``grace.final_global_candidate``."""
         if self.cfg["grace"]["final_global_candidate"]:
             return super().validate(msg)
-        return self.reply({}, {"val_dice": self.evaluate(self.model_for_round(msg.params, msg.current_round))["dice"]})
+        return self.reply({}, {"val_dice": self.evaluate(self.model_for_round(msg.params, {}))["dice"]})

@@ -18,15 +18,13 @@ Routing (job ``iopfl_route``, ``IOPFLRoutingSite``, task ``route``): an outside 
 
 from __future__ import annotations
 
-import time
-
 from nvflare.app_common.abstract.fl_model import FLModel
 
 from pflseg.algorithms.iopfl import update_person
 from pflseg.data import load_dataset_info
 from pflseg.flare.policy import check_publish
 from pflseg.flare.settings import site_settings
-from pflseg.flare.sites.base import Site, cpu_state
+from pflseg.flare.sites.base import Site, Step, cpu_state
 from pflseg.flare.state import load_file, prefixed, unprefixed
 from pflseg.infer.routing import route_site
 from pflseg.nets import build_net
@@ -34,6 +32,8 @@ from pflseg.train import derive_seed
 
 
 class IOPFLSite(Site):
+    keeps = "P_k"
+
     @classmethod
     def personal_models_sent(cls, cfg: dict) -> str | None:
         if cfg["iopfl"]["publish"]:
@@ -43,20 +43,17 @@ class IOPFLSite(Site):
     def tasks(self) -> dict:
         return {**super().tasks(), "submit_model": self.submit_model}
 
-    def train(self, msg: FLModel) -> FLModel:
-        r, cfg = msg.current_round, self.cfg
-        seed, prev = self.begin_round(r)
-        if r > 0 and not prev and not self.joins_late(r):
-            raise RuntimeError(f"site {self.name}: no state before round {r} in {self.store.root} (P_k lives there); "
-                               "the site state was removed or the job was resumed at another site")
-        model = self.model_for_round(msg.params, r)
+    def step(self, received: FLModel, prev: dict, seed: int) -> Step:
+        """w_g^t scored and trained into w_k (sent); P_k updated from it (``update_person``), scored and tracked;
+        P_k, the optimizer state and w_g^t kept."""
+        r, cfg = received.current_round, self.cfg
+        model = self.model_for_round(received.params, prev)
         glob = cpu_state(model)
         val_g = self.evaluate(model)
         round_test = cfg["privacy"]["round_test"]
         test_g = self.evaluate(model, "testing") if round_test else None
-        t0 = time.time()
-        stats, optim = self.fit(model, "model", prev, seed)
-        train_s = time.time() - t0
+        with self.training_time():
+            stats, optim = self.fit(model, "model", prev, seed)
         local = cpu_state(model)
         iopfl = cfg["iopfl"]
         person = update_person(iopfl["rule"], unprefixed("person", prev) or None, local, glob,
@@ -64,17 +61,16 @@ class IOPFLSite(Site):
         net = build_net(cfg["net"])
         net.load_state_dict(person)
         val_p = self.track(net, r)  # best.pt = the best P_k by validation Dice
-        self.store.save(r,
-                        {"round": r, "optim.model": optim, **prefixed("person", person), **prefixed("globalin", glob)})
         metrics = {"val_dice": val_g["dice"], "val_dice_person": val_p["dice"], "train_loss": stats["loss"],
-                   "train_seconds": train_s, "n_samples": stats["samples"], "steps": stats["steps"]}
+                   "n_samples": stats["samples"], "steps": stats["steps"]}
         if round_test:
             metrics.update(test_dice_global=test_g["dice"], test_dice_person=self.evaluate(net, "testing")["dice"])
-        return self.reply(prefixed("global", local), metrics, stats["samples"], received=msg)
+        keep = {"optim.model": optim, **prefixed("person", person), **prefixed("globalin", glob)}
+        return Step(prefixed("global", local), keep, metrics, stats["samples"])
 
     def validate(self, msg: FLModel) -> FLModel:
         """Score the global model only (the best P_k is tracked during training, by validation Dice)."""
-        return self.reply({}, {"val_dice": self.evaluate(self.model_for_round(msg.params, msg.current_round))["dice"]})
+        return self.reply({}, {"val_dice": self.evaluate(self.model_for_round(msg.params, {}))["dice"]})
 
     def submit_model(self, msg: FLModel) -> FLModel:
         """The site's best P_k (by validation Dice), for the routing bundle: only when the job publishes it

@@ -20,14 +20,13 @@ windows scale with the image side (``lcfed.window_ref_size``, ``pflseg.algorithm
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 from nvflare.app_common.abstract.fl_model import FLModel
 
 from pflseg.algorithms.lcfed import SitePredictor, exchanges_heads, lcfed_step, set_phase
-from pflseg.flare.sites.base import Site, cpu_state
-from pflseg.flare.state import load_file, prefixed, save_file, unprefixed
+from pflseg.flare.sites.base import Site, Step, cpu_state
+from pflseg.flare.state import load_file, prefixed, unprefixed
 from pflseg.nets.lcfed import shared_keys
 from pflseg.train import Hooks
 
@@ -40,9 +39,19 @@ def head_first_count(lcfed: dict, total: int) -> int:
     return lcfed["head_first_iters"]
 
 
+class HeadsPredictor(SitePredictor):
+    """The site's model as it predicts (``SitePredictor``), with the other sites' coarse heads by site (``heads``:
+    what ``best.pt`` keeps beside the net)."""
+
+    def __init__(self, net: torch.nn.Module, site_index: int, heads: dict, cfg: dict):
+        super().__init__(net, site_index, list(heads.values()), cfg)
+        self.heads = heads
+
+
 class LCFedSite(Site):
     #: PCS site contrast and head calibration (FedRep: neither)
     calibrated = True
+    keeps = "its heads"
 
     @classmethod
     def personal_models_sent(cls, cfg: dict) -> str | None:
@@ -66,37 +75,25 @@ class LCFedSite(Site):
                 "gauss_sigma": lc["gauss_sigma"] or None,
                 "window_ref_size": lc["window_ref_size"], "contrast_on": lc["contrast_on"]}
 
-    def previous(self, r: int) -> dict:
-        """The site's latest completed round state before round ``r`` (``latest_state``: a round it was left
-        out of is skipped, an unreadable file falls back to the round before it)."""
-        state = self.latest_state(r)[1]
-        if r > 0 and not state and not self.joins_late(r):
-            raise RuntimeError(f"site {self.name}: no state before round {r} in {self.store.root} (its heads live "
-                               "there); "
-                               "the site state was removed or the job was resumed at another site")
-        return state
-
-    def model_now(self, msg: FLModel, prev: dict) -> tuple[torch.nn.Module, dict]:
-        """Own model (heads from ``prev``) with the received shared part; the other sites' heads by site."""
+    def model_for_round(self, received: dict, prev: dict) -> HeadsPredictor:
+        """Own model (heads from ``prev``) with the received shared part, predicting with the other sites' heads
+        received (by site)."""
         state = dict(self.net.state_dict())
         state.update(unprefixed("model", prev))
-        state.update(unprefixed("global", msg.params))
+        state.update(unprefixed("global", received))
         self.net.load_state_dict(state)
-        heads = {s: unprefixed(f"heads.{s}", msg.params) for s in self.sites if s != self.name}
-        return self.net, {s: h for s, h in heads.items() if h}
+        heads = {s: unprefixed(f"heads.{s}", received) for s in self.sites if s != self.name}
+        return self.predictor({s: h for s, h in heads.items() if h})
 
-    def predictor(self, heads: dict) -> SitePredictor:
-        return SitePredictor(self.net, self.k, list(heads.values()), self.step_cfg)
+    def predictor(self, heads: dict) -> HeadsPredictor:
+        return HeadsPredictor(self.net, self.k, heads, self.step_cfg)
 
-    def track(self, heads: dict, r: int) -> dict:
-        metrics = self.evaluate(self.predictor(heads))
-        best = load_file(self.best_path) if self.best_path.is_file() else None
-        if best is None or metrics["dice"] > best["score"]:
-            kept = {"round": r, "score": metrics["dice"], **prefixed("model", cpu_state(self.net))}
-            for site, head in heads.items():
-                kept.update(prefixed(f"heads.{site}", head))
-            save_file(self.best_path, kept)
-        return metrics
+    def best_state(self, model) -> dict:
+        """The site's net (``model.``) and the other sites' heads it predicted with (``heads.<site>.``)."""
+        kept = prefixed("model", cpu_state(model.model))
+        for site, head in model.heads.items():
+            kept.update(prefixed(f"heads.{site}", head))
+        return kept
 
     def schedule(self, heads: dict, total: int) -> Hooks:
         """The loop's step: ``lcfed_step``; of a round of ``total`` iterations the first ``head_first_count`` train
@@ -113,33 +110,26 @@ class LCFedSite(Site):
 
         return Hooks(step=step)
 
-    def train(self, msg: FLModel) -> FLModel:
-        r = msg.current_round
-        seed, _ = self.begin_round(r)
-        prev = self.previous(r)
-        model, heads = self.model_now(msg, prev)
-        val = self.track(heads, r)  # the received shared part with the site's heads is a candidate too
-        t0 = time.time()
-        try:
-            train = self.cfg["train"]
-            total = math.ceil(len(self.data("training")) / train["batch_size"]) * train["epochs"]
-            stats, optim = self.fit(model, "model", prev, seed, self.schedule(heads, total))
-        finally:
-            set_phase(model, "all")
-        train_s = time.time() - t0
-        trained = cpu_state(model)
-        self.store.save(r, {"round": r, "optim.model": optim, **prefixed("model", trained)})
-        params = prefixed("global", {k: trained[k] for k in self.shared})
+    def step(self, received: FLModel, prev: dict, seed: int) -> Step:
+        """The site's model scored and tracked, its net trained with ``lcfed_step`` (``schedule``), tracked again;
+        sends the shared part (and with HC its coarse head), keeps the whole net and its optimizer state."""
+        r, net, train = received.current_round, self.net, self.cfg["train"]
+        model = self.model_for_round(received.params, prev)
+        val = self.track(model, r)  # the received shared part with the site's heads is a candidate too
+        with self.training_time():
+            try:
+                total = math.ceil(len(self.data("training")) / train["batch_size"]) * train["epochs"]
+                stats, optim = self.fit(net, "model", prev, seed, self.schedule(model.heads, total))
+            finally:
+                set_phase(net, "all")
+        trained = cpu_state(net)
+        send = prefixed("global", {k: trained[k] for k in self.shared})
         if exchanges_heads(self.step_cfg):  # the other sites' disagreement maps need this site's coarse head
-            params.update(prefixed("head", cpu_state(model.head)))
-        after = self.track(heads, r)  # the personalized model: after local training
+            send.update(prefixed("head", cpu_state(net.head)))
+        after = self.track(model, r)  # the personalized model: after local training
         metrics = {"val_dice": val["dice"], "val_dice_local": after["dice"], "train_loss": stats["loss"],
-                   "train_seconds": train_s, "n_samples": stats["samples"], "steps": stats["steps"]}
-        return self.reply(params, metrics, stats["samples"], received=msg)
-
-    def validate(self, msg: FLModel) -> FLModel:
-        _, heads = self.model_now(msg, self.previous(msg.current_round))
-        return self.reply({}, {"val_dice": self.track(heads, msg.current_round)["dice"]})
+                   "n_samples": stats["samples"], "steps": stats["steps"]}
+        return Step(send, {"optim.model": optim, **prefixed("model", trained)}, metrics, stats["samples"])
 
     def test(self, msg: FLModel) -> FLModel:
         """The site's best model by validation (with the other sites' heads it was chosen with) on its test

@@ -9,11 +9,11 @@ from pflseg.flare.state import unprefixed
 
 class LocalSite(Site):
     exchanges_models = False
+    keeps = "its model"
 
-    def model_for_round(self, received: dict, round_num: int):
-        own = self.require_own(round_num)
-        self.net.load_state_dict({**self.net.state_dict(),
-                                  **(own if own is not None else unprefixed("global", received))})
+    def model_for_round(self, received: dict, prev: dict):
+        own = unprefixed("model", prev)  # none in round 0 (or when the site joins late): the common initial model
+        self.net.load_state_dict({**self.net.state_dict(), **(own or unprefixed("global", received))})
         return self.net
 
     def upload(self, trained: dict) -> dict:

@@ -43,7 +43,7 @@ def test_a_site_that_missed_a_round_continues_from_its_latest_completed_state(me
                        if expected[k].is_floating_point())
         else:
             keys = norm_keys(site.net) if method == "fedbn" else list(own_model(fed, 0))
-            model = site.model_for_round(msg(2).params, 2)
+            model = site.model_for_round(msg(2).params, site.previous(2))
             assert equal(model.state_dict(), own_model(fed, 0), keys)  # round 0's own layers
             site.train(msg(2))
     assert fed.store().rounds() == [0, 2]
@@ -76,7 +76,7 @@ def test_a_truncated_round_file_falls_back_to_the_round_before_with_a_log_line(f
     path.write_bytes(path.read_bytes()[:200])  # truncated after the rename (a crash of the storage, a bad copy)
     norm = norm_keys(site.net)
     with caplog.at_level(logging.WARNING, logger="pflseg.client"):
-        model = site.model_for_round(fed.message(2).params, 2)
+        model = site.model_for_round(fed.message(2).params, site.previous(2))
         assert equal(model.state_dict(), own_model(fed, 0), norm)
         out, site = answer("site-1", "train", fed.message(2), site)
     assert "pflseg_error" not in out.meta and out.metrics["val_dice"] >= 0

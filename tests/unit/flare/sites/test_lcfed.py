@@ -3,6 +3,7 @@
 import pytest
 
 from pflseg.config import ConfigError, load_job_config
+from pflseg.flare.methods import method
 from pflseg.flare.sites import lcfed as lcfed_site
 from pflseg.nets import build_net
 from pflseg.nets.lcfed import personal_keys, shared_keys
@@ -39,7 +40,7 @@ def test_windows_are_given_at_the_papers_image_size(federation):
 
 def test_unknown_hc_map_is_a_config_error():
     with pytest.raises(ConfigError, match=r"lcfed\.hc_map"):
-        load_job_config("lcfed", overrides={"lcfed": {"hc_map": "ones"}})
+        method(load_job_config("lcfed", overrides={"lcfed": {"hc_map": "ones"}}))
 
 
 def test_fedrep_sends_no_head(federation):
@@ -80,4 +81,4 @@ def test_fedrep_head_first_fraction_splits_the_rounds_iterations(federation, mon
 
 def test_head_first_fraction_and_iters_are_exclusive():
     with pytest.raises(ConfigError, match=r"lcfed\.head_first_iters.*lcfed\.head_first_fraction"):
-        load_job_config("fedrep", overrides={"lcfed": {"head_first_iters": 10}})
+        method(load_job_config("fedrep", overrides={"lcfed": {"head_first_iters": 10}}))

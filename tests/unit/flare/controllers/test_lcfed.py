@@ -1,13 +1,13 @@
-"""LC-Fed / FedRep / FT workflows with a stubbed transport: what is averaged, what stays, who gets which heads."""
+"""LC-Fed / FedRep workflows with a stubbed transport: what is averaged, what stays, who gets which heads."""
 
 import torch
 from nvflare.app_common.abstract.fl_model import FLModel
 
 from pflseg.flare.controllers.lcfed import nbytes
-from pflseg.flare.state import prefixed, unprefixed
+from pflseg.flare.wire import GLOBAL, HEAD, prefixed, unprefixed
 from pflseg.nets import build_net
 from pflseg.nets.lcfed import personal_keys, shared_keys
-from tests.unit.flare.test_controllers import Stub, make
+from tests.unit.flare.controllers.conftest import Stub, make
 
 LC = {"net": {"name": "lcfed", "channels": [4, 8, 8], "strides": [2, 2]}}
 FACTOR = {"site-1": 1.0, "site-2": 2.0, "site-3": 4.0}
@@ -15,12 +15,12 @@ FACTOR = {"site-1": 1.0, "site-2": 2.0, "site-3": 4.0}
 
 def reply_scaled(site, data, hc=True):
     """A site that 'trains' by scaling what it got, and sends its own head (site-specific constant)."""
-    body = {k: v * FACTOR[site] if v.is_floating_point() else v for k, v in unprefixed("global", data.params).items()
+    body = {k: v * FACTOR[site] if v.is_floating_point() else v for k, v in unprefixed(GLOBAL, data.params).items()
             if not k.startswith(("head.", "calib_head."))}  # a site sends back the shared part only
-    params = prefixed("global", body)
+    params = prefixed(GLOBAL, body)
     if hc:
-        params.update(prefixed("head", {"weight": torch.full((1, 4, 1, 1), FACTOR[site]),
-                                        "bias": torch.full((1,), FACTOR[site])}))
+        params.update(prefixed(HEAD, {"weight": torch.full((1, 4, 1, 1), FACTOR[site]),
+                                      "bias": torch.full((1,), FACTOR[site])}))
     return FLModel(params=params, metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": int(10 * FACTOR[site])})
 
 
@@ -33,8 +33,8 @@ def test_lcfed_averages_the_shared_part_with_pcs_and_routes_the_others_heads(tmp
                                                                       "calib_head.bias"]
     g0 = dict(ctrl.global_state)
     stub = Stub(ctrl, reply_scaled)
-    ctrl.round(0)  # round 0: the full initial model, no heads yet
-    assert all(set(unprefixed("global", d.params)) == set(g0) and not unprefixed("heads", d.params) for _, _,
+    out = ctrl.round(0)  # round 0: the full initial model, no heads yet
+    assert all(set(unprefixed(GLOBAL, d.params)) == set(g0) and not unprefixed("heads", d.params) for _, _,
                d in stub.sent)
     mean = (1.0 + 2.0 + 4.0) / 3  # plain average, not weighted by n_k
     for key in shared:
@@ -42,16 +42,16 @@ def test_lcfed_averages_the_shared_part_with_pcs_and_routes_the_others_heads(tmp
             assert torch.allclose(ctrl.global_state[key], g0[key] * mean, atol=1e-6), key
     for key in personal:  # heads are not aggregated
         assert torch.equal(ctrl.global_state[key], g0[key])
-    assert ctrl.round_metrics["head_bytes"] == {"up": 3 * 5 * 4, "down": 0}
+    assert out.metrics["head_bytes"] == {"up": 3 * 5 * 4, "down": 0}
 
     stub.sent.clear()
-    ctrl.round(1)  # round 1: the shared part only, and every other site's head
+    out = ctrl.round(1)  # round 1: the shared part only, and every other site's head
     for _, site, data in stub.sent:
-        assert set(unprefixed("global", data.params)) == set(shared)
+        assert set(unprefixed(GLOBAL, data.params)) == set(shared)
         others = sorted({k.split(".")[1] for k in data.params if k.startswith("heads.")})
         assert others == sorted(set(FACTOR) - {site})
         assert all(float(unprefixed(f"heads.{o}", data.params)["bias"]) == FACTOR[o] for o in others)
-    assert ctrl.round_metrics["head_bytes"] == {"up": 3 * 20, "down": 3 * 2 * 20}
+    assert out.metrics["head_bytes"] == {"up": 3 * 20, "down": 3 * 2 * 20}
     assert nbytes({"weight": torch.zeros(1, 4, 1, 1), "bias": torch.zeros(1)}) == 20
 
 
@@ -73,9 +73,9 @@ def test_without_hc_and_for_fedrep_no_head_leaves_a_site(tmp_path, monkeypatch):
         ctrl = make(method, tmp_path / f"{method}{i}", monkeypatch, **{**LC, **over})
         stub = Stub(ctrl, lambda site, data: reply_scaled(site, data, hc=False))
         ctrl.round(0)
-        ctrl.round(1)
+        out = ctrl.round(1)
         assert not any(k.startswith("heads.") for _, _, d in stub.sent for k in d.params)
-        assert "head_bytes" not in ctrl.round_metrics
+        assert "head_bytes" not in out.metrics
 
 
 def test_a_site_sending_a_head_without_hc_is_left_out(tmp_path, monkeypatch):
@@ -85,11 +85,12 @@ def test_a_site_sending_a_head_without_hc_is_left_out(tmp_path, monkeypatch):
     assert set(ctrl.missing) == {"site-1", "site-3"} and "unexpected key 'head." in ctrl.missing["site-1"]
 
 
-def test_ft_fine_tunes_the_best_global_model_at_every_site(tmp_path, monkeypatch):
-    ctrl = make("ft", tmp_path, monkeypatch)
-    best = prefixed("global", ctrl.global_state)
-    stub = Stub(ctrl, lambda site, data: FLModel(params={}, metrics={"ft_best_epoch": 1, "ft_val_dice": [0.2, 0.3]}))
-    ctrl.personalize(2, best)
-    assert [(t, s) for t, s, _ in stub.sent] == [("finetune", s) for s in ctrl.sites]
-    assert all(d.params is best or d.params == best for _, _, d in stub.sent)
-    assert ctrl.extra_results()["ft"]["site-2"] == {"best_epoch": 1, "val_dice": [0.2, 0.3]}
+def test_the_head_exchange_returns_the_new_heads_and_their_bytes(tmp_path, monkeypatch):
+    ctrl = make("lcfed", tmp_path, monkeypatch, **LC)
+    held = {"site-3": {"weight": torch.zeros(1, 4, 1, 1), "bias": torch.zeros(1)}}
+    results = {s: reply_scaled(s, ctrl.message(1, prefixed(GLOBAL, ctrl.global_state))) for s in ("site-1", "site-2")}
+    payloads = {s: ctrl.message(1, prefixed("heads.site-3", held["site-3"])) for s in ("site-1", "site-2", "site-3")}
+    heads, metrics = ctrl.exchange_heads(results, payloads, held)
+    assert list(heads) == ["site-3", "site-1", "site-2"] and heads["site-3"] is held["site-3"]
+    assert float(heads["site-2"]["bias"]) == 2.0 and list(held) == ["site-3"]  # the state given is left as it was
+    assert metrics == {"head_bytes": {"up": 2 * 20, "down": 2 * 20}}  # what site-3 (no answer) was sent: not counted

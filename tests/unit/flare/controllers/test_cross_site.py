@@ -12,9 +12,7 @@ from pflseg.eval.tables import run_tables
 from pflseg.flare.methods import METHODS
 from pflseg.flare.state import prefixed, save_file
 from pflseg.nets import build_net
-from tests.unit.flare.test_controllers import TINY, Stub
-
-SITES = ["site-1", "site-2", "site-3"]
+from tests.unit.flare.controllers.conftest import SITES, TINY, Stub
 
 
 def trained_run(tmp_path, method: str, person: bool = False, **over) -> tuple:

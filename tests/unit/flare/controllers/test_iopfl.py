@@ -9,7 +9,7 @@ from nvflare.app_common.abstract.fl_model import FLModel
 
 from pflseg.flare.methods import METHODS
 from pflseg.flare.state import load_file, prefixed, save_file, unprefixed
-from tests.unit.flare.test_controllers import TINY, Stub, make, scaled
+from tests.unit.flare.controllers.conftest import TINY, Stub, make, scaled
 
 
 def test_training_publishes_the_best_global_and_each_sites_p_k(tmp_path, monkeypatch):

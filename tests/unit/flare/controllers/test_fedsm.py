@@ -1,5 +1,7 @@
-"""The server's final checkpoint holds exactly the models the training job's final test scored (what the
-post-training bundles read), and FedSM's gamma is chosen on validation, never on test."""
+"""FedSM's controllers with a stubbed transport: what each site is sent, the SoftPull and selector steps, the best
+selector, and the final checkpoint holding exactly the models the training job's final test scored (what the
+post-training bundles read); FedSM inference: the best selector, gamma chosen on validation, never on test, and
+the familiarity fallback."""
 
 import json
 import math
@@ -10,13 +12,115 @@ from nvflare.apis.signal import Signal
 from nvflare.app_common.abstract.fl_model import FLModel
 
 from pflseg.algorithms.fedsm import TEMPERATURES
+from pflseg.algorithms.softpull import softpull
 from pflseg.config import ConfigError, load_job_config
 from pflseg.flare.controllers.fedsm import choose_gamma, selection_report
 from pflseg.flare.methods import METHODS
-from pflseg.flare.state import RoundStore, unprefixed
-from tests.unit.flare.test_controllers import TINY, Stub, lda_answer, make
+from pflseg.flare.wire import PERSON, prefixed, unprefixed
+from tests.unit.flare.controllers.conftest import BATCH, TINY, Stub, lda_answer, make, models_of, scaled
 
 
+def test_fedsm_sends_each_site_only_its_own_personalized_model_and_label(tmp_path, monkeypatch):
+    ctrl = make("fedsm", tmp_path, monkeypatch, fedsm=BATCH)
+    ctrl.person = {s: scaled(ctrl.global_state, i + 1.0) for i, s in enumerate(ctrl.sites)}
+    n = {"site-1": 1, "site-2": 1, "site-3": 2}
+
+    def reply(site, data):
+        params = dict(data.params)  # every moment key: an answer without all of them is left out
+        params.update({k: torch.full_like(v, float(n[site])) for k, v in ctrl.moment_ref.items()})
+        return FLModel(params=params, metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": n[site]})
+
+    before = {s: dict(p) for s, p in ctrl.person.items()}
+    stub = Stub(ctrl, reply)
+    ctrl.round(0)
+    key = next(k for k, v in ctrl.global_state.items() if v.is_floating_point() and v.abs().sum() > 0)
+    for k, (_, site, data) in enumerate(stub.sent):
+        assert data.meta["selector_label"] == k
+        assert torch.equal(unprefixed("person", data.params)[key], before[site][key])  # its own, nobody else's
+    assert ctrl.moments["0.exp_avg"].flatten()[0].item() == pytest.approx(0.25 * 1 + 0.25 * 1 + 0.5 * 2)
+    expected = softpull([before[s] for s in ctrl.sites], ctrl.cfg["fedsm"]["lam"])
+    for k, s in enumerate(ctrl.sites):
+        assert torch.allclose(ctrl.person[s][key], expected[k][key])
+
+
+def test_fedsm_site_that_drops_out_keeps_its_personalized_model(tmp_path, monkeypatch):
+    ctrl = make("fedsm", tmp_path, monkeypatch, fedsm=BATCH)
+    ctrl.person["site-3"] = scaled(ctrl.global_state, 5.0)
+    kept = dict(ctrl.person["site-3"])
+    moments = {k: torch.ones_like(v) for k, v in ctrl.moment_ref.items()}
+    Stub(ctrl, lambda site, data: None if site == "site-3" else
+         FLModel(params={**data.params, **moments}, metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": 1}))
+    ctrl.round(0)
+    assert "site-3" in ctrl.missing
+    assert all(torch.equal(ctrl.person["site-3"][k], kept[k]) for k in kept)
+
+
+def test_softpull_step_returns_the_new_personalized_models_and_leaves_the_controllers_alone(tmp_path, monkeypatch):
+    ctrl = make("fedsm", tmp_path, monkeypatch)
+    person = {s: scaled(ctrl.global_state, i + 1.0) for i, s in enumerate(ctrl.sites)}
+    held = {s: dict(p) for s, p in ctrl.person.items()}
+    trained = {s: FLModel(params=prefixed(PERSON, scaled(person[s], 2.0))) for s in ("site-1", "site-3")}
+    new = ctrl.softpull_step(trained, person)  # site-2 gave no answer: its model enters the mix as it was
+    expected = softpull([scaled(person["site-1"], 2.0), person["site-2"], scaled(person["site-3"], 2.0)],
+                        ctrl.cfg["fedsm"]["lam"])
+    key = next(k for k, v in person["site-1"].items() if v.is_floating_point() and v.abs().sum() > 0)
+    assert list(new) == ctrl.sites and new["site-2"] is person["site-2"]
+    assert torch.allclose(new["site-1"][key], expected[0][key]) and torch.allclose(new["site-3"][key], expected[2][key])
+    assert all(torch.equal(ctrl.person[s][k], held[s][k]) for s in held for k in held[s])
+
+
+def test_fedsm_epoch_mode_takes_one_adam_step_on_the_sum_of_the_sites_gradients(tmp_path, monkeypatch):
+    ctrl = make("fedsm", tmp_path, monkeypatch, fedsm={"selector_fit": "softmax", "selector_steps": "epoch"})
+    before = dict(ctrl.selector)
+    grad = {"site-1": 1.0, "site-2": 1.0, "site-3": -3.0}  # summed over each site's images: the pooled sum is -1
+    n = {"site-1": 1, "site-2": 1, "site-3": 2}  # the aggregation weights: they must not enter a sum of gradients
+    stub = Stub(ctrl, lambda site, data: FLModel(
+        params={**models_of(data), **{k: torch.full_like(v, grad[site]) for k, v in ctrl.selector_ref.items()}},
+        metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": n[site]}))
+    ctrl.round(0)
+    assert all(not any(k.startswith("moment.") for k in data.params) for _, _, data in stub.sent)  # moments stay here
+    lr = ctrl.cfg["fedsm"]["selector_lr"]
+    for k, v in before.items():  # first Adam step: -lr * g / (|g| + eps) = +lr for g = -1
+        assert torch.allclose(ctrl.selector[k], v + lr, atol=1e-7), k
+    assert float(ctrl.moments["0.step"]) == 1.0 and torch.allclose(ctrl.moments["0.exp_avg"], torch.tensor(-0.1))
+
+
+def test_fedsm_lda_head_comes_from_the_summed_statistics_and_keeps_a_dropped_sites(tmp_path, monkeypatch):
+    from pflseg.algorithms.fedsm import add_statistics, lda_head
+
+    ctrl = make("fedsm", tmp_path, monkeypatch)  # the default: selector_fit lda
+    body = {k: v for k, v in ctrl.selector.items() if not k.startswith("classifier.")}
+    stub = Stub(ctrl, lambda site, data: lda_answer(ctrl, site, data))
+    ctrl.round(0)
+    stats = [unprefixed("stats", lda_answer(ctrl, s, stub.sent[0][2]).params) for s in ctrl.sites]
+    weight, bias = lda_head(add_statistics(stats), ctrl.cfg["fedsm"]["lda_shrinkage"])
+    assert (torch.allclose(ctrl.selector["classifier.weight"], weight)
+            and torch.allclose(ctrl.selector["classifier.bias"], bias))
+    assert all(torch.equal(ctrl.selector[k], v) for k, v in body.items())  # the conv stack stays as initialised
+    Stub(ctrl, lambda site, data: None if site == "site-3" else lda_answer(ctrl, site, data))
+    ctrl.round(1)
+    # its statistics stay
+    assert "site-3" in ctrl.missing and torch.allclose(ctrl.selector["classifier.weight"], weight)
+
+
+def test_fedsm_extra_rounds_start_a_fresh_k_plus_one_class_selector_and_best(tmp_path, monkeypatch):
+    ctrl = make("fedsm", tmp_path, monkeypatch, fedsm={"extra_rounds": 1}, rounds=1)
+    ctrl.best_selector = {"round": 0, "score": 0.9}  # the K-class selector's best: not a candidate any more
+
+    def reply(site, data):
+        answer = lda_answer(ctrl, site, data)
+        answer.params = {k: v for k, v in answer.params.items() if k.startswith("stats.")}
+        answer.metrics = {"selector_loss": 1.0, "selector_val_acc": 0.5}
+        return answer
+
+    Stub(ctrl, reply)
+    out = ctrl.round(1)
+    assert ctrl.selector["classifier.weight"].shape == (4, ctrl.selector_ref["stats.gram"].shape[0])  # global + 3 sites
+    assert ctrl.best_selector["round"] == 1 and ctrl.best_selector["score"] == 0.5
+    assert out.metrics == {"selector_loss": {s: 1.0 for s in ctrl.sites}, "selector_val_acc_mean": 0.5}
+
+
+# ---- the final checkpoint and the inference job -------------------------------------------------------------------
 def run_job(ctrl) -> None:
     """Every round of ``ctrl`` against its stubbed sites, checkpointed as the real run does, then its finish."""
     for r in range(ctrl.n_rounds()):
@@ -73,8 +177,8 @@ def nll_with_minimum_at(t_best: float) -> list[float]:
 
 
 def test_the_best_selector_by_validation_is_the_one_inference_loads(tmp_path, monkeypatch):
-    ctrl = make("fedsm", tmp_path, monkeypatch)  # lda: the received selector changes as statistics change
-    ctrl.store = RoundStore(tmp_path / "server" / "fedsm")  # a trained job's state folder inside the state root
+    # lda: the received selector changes as statistics change; a trained job's state folder inside the state root
+    ctrl = make("fedsm", tmp_path, monkeypatch, folder=tmp_path / "server" / "fedsm")
     ctrl.get_run_dir = lambda: str(tmp_path / "run")
     ctrl.abort_signal = Signal()
     # validation accuracy of the selector the sites received: random init (round 0), head from round 0's statistics
@@ -140,8 +244,7 @@ def test_selection_report_names_the_models_at_the_reference_and_the_chosen_gamma
 
 def trained_bundle(tmp_path, monkeypatch):
     """A FedSM (lda) run of three stubbed sites, finished: its final checkpoint holds ldastats.* and bestselect.*."""
-    ctrl = make("fedsm", tmp_path, monkeypatch)
-    ctrl.store = RoundStore(tmp_path / "server" / "fedsm")
+    ctrl = make("fedsm", tmp_path, monkeypatch, folder=tmp_path / "server" / "fedsm")
     ctrl.get_run_dir = lambda: str(tmp_path / "run")
     ctrl.abort_signal = Signal()
 
@@ -229,6 +332,8 @@ def test_infer_without_the_fallback_is_one_phase_and_says_why(tmp_path, monkeypa
 
 
 def test_familiar_quantile_out_of_range_is_named():
-    for bad in (0.0, 1.5):
+    from pflseg.flare.methods import method
+
+    for bad in (0.0, 1.5):  # the method's own rule (its controller's check_config)
         with pytest.raises(ConfigError, match="fedsm.familiar_quantile"):
-            load_job_config("fedsm_infer", overrides={"fedsm": {"familiar_quantile": bad}})
+            method(load_job_config("fedsm_infer", overrides={"fedsm": {"familiar_quantile": bad}}))

@@ -1,0 +1,855 @@
+"""Where a federated round's time goes, measured side by side in one run.
+
+    pflseg report speed --methods fedavg grace --sites 3 --rounds 4 --size 64 --envs sim poc
+    pflseg report speed --scaling --scaling-sites 3 6 12 24 --scaling-sizes 64 128 256
+
+Per method (a job name of ``app_configs/``), on one synthetic data root (``<workspace>/data/``), one job config and
+the same torch threads per site (``PFLSEG_THREADS``, else this machine's cores / sites, as the simulator and POC give
+their sites):
+
+(a) **plain loop**: a site's round of work without FLARE or pflseg's site plumbing (no state files, no replies, no
+    privacy, no best-model tracking): the job's net (``pflseg.nets.build_net``), loss, data (``site_dataset`` of the
+    same root, size, batch size and shuffling seed), Adam kept across rounds, validation Dice before and after (MONAI's
+    DiceMetric over the validation batches), ``train.epochs`` epochs of a plain PyTorch loop with the method's own
+    plug-in to the one training loop (its site class's ``round_hooks``: GRACE's meta step, FedProx's proximal term;
+    called on a stand-in holding only the config and the device). Every site in a process of its own, all at once,
+    each round started together (a barrier, as the server's round starts them), each round timed. A method whose
+    site replaces the round skeleton's ``step`` (FedSM, IOP-FL, LC-Fed) or pools other sites' data has no plain
+    equivalent here: its plain column is ``-``.
+(b) **site compute**: what each site reports per task (``compute_seconds``, ``pflseg.flare.client.answer``), kept per
+    round by the server in results.json (``history[r].site_compute_seconds``).
+(c) **round wall**: the server's ``history[r].wall_seconds``: from the round's first send to the new global model
+    (its checkpoint write and FLARE's round metrics file come after it and are not in it).
+
+Rounds measured: 1 .. R-1 (round 0 also loads and caches each site's data; with one round only, round 0). Reported:
+site compute / plain loop, and the **fixed cost per round** = round wall - the round's slowest site compute (median
+over the measured rounds) beside FLARE's per-round floor for the job's site executor kind (read from the built job's
+``config_fed_client.json``; ``../shared/reference/FLARE.md``: Client API in-process 1.2 s simulator / 0.8 s POC, plain
+``Executor`` 0.6 s / 0.4 s). ``sim``: ``nvflare simulator`` (``pflseg.deploy.simulator.run_simulator``), with the
+host memory of its processes sampled (psutil, every 0.5 s: per site process and in all); ``poc``: one loopback POC
+federation (``pflseg.deploy.poc.PocFederation``) that runs every method's job in turn through the FLARE API.
+
+Server aggregation: each method's controller ``aggregate`` step (the very method its ``round`` calls, on a
+controller made outside FLARE with ``init_state``) over K Gaussian updates of the job's net (a UNet of about 8 M
+parameters, ``pflseg.eval.grace_benchmark.NET``, for UNet jobs), against a plain torch weighted average of the same
+tensors; minimum over interleaved repeats. FedSM's SoftPull and selector fit come after ``aggregate`` in its round
+and are not in it.
+
+``--scaling``: wall per round and peak host memory (per site process, the largest; and the whole simulator) in the
+simulator against the number of sites and the image size, and IOP-FL test-time routing's time per image and peak
+memory against the number of experts (``pflseg.eval.iopfl_cost.measure``, each in a fresh process), as a Markdown
+table and a PNG plot. Everything lands in the workspace: ``speed.json``, ``speed.md``, ``speed_scaling.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import multiprocessing
+import os
+import statistics
+import tempfile
+import threading
+import time
+import types
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from pflseg.eval.markdown import markdown_table
+
+#: FLARE 2.9's per-round floor (seconds) by (site executor kind, environment): ``../shared/reference/FLARE.md``
+FLOORS = {("client_api", "sim"): 1.2, ("client_api", "poc"): 0.8, ("executor", "sim"): 0.6, ("executor", "poc"): 0.4}
+ENVS = ("sim", "poc")
+EXECUTOR_KINDS = ("executor", "client_api")
+RESULTS_JSON, MARKDOWN, SCALING_PNG = "speed.json", "speed.md", "speed_scaling.png"
+#: ``run``'s defaults; scaling: the experts are K + 1 for the K of the sites sweep
+DEFAULTS: dict[str, Any] = {"methods": ("fedavg", "grace"), "sites": 3, "rounds": 4, "size": 64, "envs": ENVS,
+                            "agg_sites": 6, "repeats": 3, "scaling_sites": (3, 6, 12, 24),
+                            "scaling_sizes": (64, 128, 256), "scaling_experts": (4, 7, 13, 25),
+                            "scaling_method": "fedavg"}
+GIB = 2**30
+
+
+# ---- the arithmetic (pure) ------------------------------------------------------------------------------------------
+def floor_seconds(kind: str, env: str) -> float | None:
+    """FLARE's per-round floor for site executor ``kind`` in ``env`` (``FLOORS``); None when FLARE.md has none."""
+    return FLOORS.get((kind, env))
+
+
+def measured(history: list[dict], skip: int | None = None) -> list[dict]:
+    """The history entries measured: rounds >= ``skip`` (default: 1 when there are several rounds, else 0)."""
+    if skip is None:
+        skip = 1 if len(history) > 1 else 0
+    return [h for h in history if h.get("round", 0) >= skip]
+
+
+def round_costs(history: list[dict], skip: int | None = None) -> dict:
+    """Per measured round (``measured``): the server's wall, the slowest site's compute and the fixed cost (wall -
+    slowest compute), each site's compute; and their summaries: medians over the rounds (``wall_s``, ``slowest_s``,
+    ``fixed_s``), ``compute_s`` = the mean over sites of each site's median compute.
+
+    Args:
+        history: results.json's ``history``: ``{"round", "wall_seconds", "site_compute_seconds": {site: s}}``.
+    """
+    rows = measured(history, skip)
+    if not rows:
+        raise ValueError("history: no round to measure (the run completed none)")
+    wall = [float(h["wall_seconds"]) for h in rows]
+    slowest = [max(h["site_compute_seconds"].values(), default=0.0) for h in rows]
+    compute: dict[str, list[float]] = {}
+    for h in rows:
+        for site, seconds in h["site_compute_seconds"].items():
+            compute.setdefault(site, []).append(float(seconds))
+    return {"rounds": [h["round"] for h in rows], "wall": wall, "slowest": slowest,
+            "fixed": [w - s for w, s in zip(wall, slowest)], "compute": compute,
+            "wall_s": statistics.median(wall), "slowest_s": statistics.median(slowest),
+            "fixed_s": statistics.median([w - s for w, s in zip(wall, slowest)]),
+            "compute_s": statistics.mean(statistics.median(v) for v in compute.values()) if compute else 0.0}
+
+
+def plain_seconds(plain: dict[str, list[float]], rounds: list[int]) -> float | None:
+    """The plain loop's seconds per round over the same ``rounds``: the mean over sites of each site's median (a
+    site's list is indexed by round); None without plain times."""
+    per_site = [statistics.median(times[r] for r in rounds if r < len(times)) for times in plain.values()
+                if any(r < len(times) for r in rounds)]
+    return statistics.mean(per_site) if per_site else None
+
+
+def compare(costs: dict, plain: dict[str, list[float]] | None, kind: str, env: str) -> dict:
+    """One row of the report: ``round_costs`` beside the plain loop (``plain``: site -> seconds per round, or None)
+    and FLARE's floor for executor ``kind`` in ``env``.
+
+    Returns:
+        ``plain_s``, ``compute_s``, ``ratio`` (site compute / plain loop), ``wall_s``, ``slowest_s``, ``fixed_s``,
+        ``floor_s`` and ``above_floor_s`` (fixed - floor); None where a part is missing.
+    """
+    base = plain_seconds(plain, costs["rounds"]) if plain else None
+    floor = floor_seconds(kind, env)
+    return {"plain_s": base, "compute_s": costs["compute_s"],
+            "ratio": costs["compute_s"] / base if base else None, "wall_s": costs["wall_s"],
+            "slowest_s": costs["slowest_s"], "fixed_s": costs["fixed_s"], "floor_s": floor,
+            "above_floor_s": costs["fixed_s"] - floor if floor is not None else None}
+
+
+# ---- the job's site executor kind -----------------------------------------------------------------------------------
+def executor_kind(job_dir: str | Path) -> str:
+    """The kind of site executor a built job runs its ``train`` task with (``config_fed_client.json``):
+
+    - ``client_api``: FLARE's Client API in-process (``ClientAPIExecutor`` with ``execution_mode: in_process``, a
+      subclass of it that sets that mode, e.g. ``pflseg.flare.executor.ClientAPISiteExecutor``, or the older
+      ``InProcessClientAPIExecutor``);
+    - ``client_api_external``: the Client API in another process (``external_process``, ``attach``; FLARE.md has no
+      floor for it);
+    - ``executor``: a plain FLARE ``Executor`` subclass answering inside ``execute()``
+      (``pflseg.flare.executor.SiteExecutor``);
+    - ``unknown``: no executor for ``train``, or a class that cannot be imported (``job_client.X`` of a BYOC job is
+      looked up as ``pflseg.flare.job_client.X``, the file the job carries).
+    """
+    path = Path(job_dir) / "app" / "config" / "config_fed_client.json"
+    entries = json.loads(path.read_text()).get("executors", [])
+    entry = next((e for e in entries if "train" in e.get("tasks", [])), None) or next(
+        (e for e in entries if "*" in e.get("tasks", [])), None)
+    if entry is None:
+        return "unknown"
+    spec = entry.get("executor", {})
+    cls = _import_class(spec.get("path", ""))
+    if cls is None:
+        return "unknown"
+    from nvflare.apis.executor import Executor
+    from nvflare.app_common.executors.client_api_executor import ClientAPIExecutor
+
+    if issubclass(cls, ClientAPIExecutor):
+        mode = (spec.get("args") or {}).get("execution_mode") or _execution_mode(cls, spec.get("args") or {})
+        return "client_api" if mode == "in_process" else "client_api_external"
+    if cls.__name__ == "InProcessClientAPIExecutor":
+        return "client_api"
+    if "Launcher" in cls.__name__:
+        return "client_api_external"
+    return "executor" if issubclass(cls, Executor) else "unknown"
+
+
+def _import_class(path: str):
+    module, _, name = path.rpartition(".")
+    candidates = [module] + ([f"pflseg.flare.{module}"] if module and "." not in module else [])
+    for mod in candidates:
+        try:
+            found = getattr(importlib.import_module(mod), name, None)
+        except ImportError:
+            continue
+        if isinstance(found, type):
+            return found
+    return None
+
+
+def _execution_mode(cls, args: dict) -> str | None:
+    """The execution mode a ClientAPIExecutor subclass sets itself (made as FLARE makes it, from the job's args)."""
+    try:
+        return getattr(cls(**args), "_execution_mode", None)
+    except Exception:  # noqa: BLE001 - a class that cannot be made here: its mode is unknown
+        return None
+
+
+# ---- host memory of a process tree ----------------------------------------------------------------------------------
+def site_of(cmdline: Sequence[str]) -> str:
+    """Whose process a simulator process is: the site after ``--client`` (FLARE's simulator worker), else
+    ``server`` (the simulator itself, which runs the server)."""
+    args = list(cmdline)
+    if "--client" in args and args.index("--client") + 1 < len(args):
+        return args[args.index("--client") + 1]
+    return "server"
+
+
+class MemorySampler(threading.Thread):
+    """Samples, every ``period`` s, the resident memory of every process whose command line names ``marker`` (or a
+    path under it), by ``site_of`` of its command line, and of their descendants, each counted for its nearest such
+    ancestor. ``peak()``: the peak of the sum, and of each part (the simulator and each site process)."""
+
+    def __init__(self, marker: str | Path, period: float = 0.5):
+        super().__init__(daemon=True)
+        self.marker, self.period = str(marker), period
+        self.total, self.samples = 0, 0
+        self.parts: dict[str, int] = {}
+        self._stop_event = threading.Event()
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop_event.set()
+        self.join()
+
+    def run(self):
+        while not self._stop_event.wait(self.period):
+            self.sample()
+
+    def sample(self) -> None:
+        import psutil
+
+        matched: dict[int, tuple] = {}
+        for proc in psutil.process_iter(["cmdline"]):
+            args = proc.info.get("cmdline") or []
+            if any(a == self.marker or a.startswith(self.marker + os.sep) for a in args):
+                matched[proc.pid] = (proc, site_of(args))
+        labels = {pid: label for pid, (_, label) in matched.items()}
+
+        def inherit(proc, label: str) -> None:  # a descendant that names no site counts for its nearest named ancestor
+            try:
+                children = proc.children()
+            except psutil.Error:
+                return
+            for child in children:
+                if child.pid not in matched:
+                    labels[child.pid] = label
+                    inherit(child, label)
+
+        for proc, label in matched.values():
+            inherit(proc, label)
+        parts: dict[str, int] = {}
+        for pid, label in labels.items():
+            try:
+                parts[label] = parts.get(label, 0) + psutil.Process(pid).memory_info().rss
+            except psutil.Error:
+                pass
+        if parts:
+            self.samples += 1
+            self.total = max(self.total, sum(parts.values()))
+            for label, rss in parts.items():
+                self.parts[label] = max(self.parts.get(label, 0), rss)
+
+    def peak(self) -> dict:
+        sites = {k: v / GIB for k, v in sorted(self.parts.items()) if k != "server"}
+        return {"peak_total_gib": self.total / GIB, "peak_server_gib": self.parts.get("server", 0) / GIB,
+                "peak_site_gib": sites, "peak_site_max_gib": max(sites.values(), default=0.0),
+                "samples": self.samples}
+
+
+# ---- (a) the plain loop ---------------------------------------------------------------------------------------------
+def plain_equivalent(site_cls) -> str | None:
+    """Why a method's site class has no plain loop here (None: it has one): its round is its own ``step``, or it
+    pools other sites' data."""
+    from pflseg.flare.sites.base import Site
+
+    if site_cls.step is not Site.step:
+        return f"its site's round is its own step ({site_cls.__module__}.{site_cls.__qualname__}.step)"
+    if site_cls.pooled_sites is not Site.pooled_sites:
+        return "its site pools other sites' data"
+    return None
+
+
+def plain_rounds(root: str | Path, sites: list[str], cfg: dict, rounds: int, threads: int,
+                 timeout: float = 3600.0) -> dict[str, list[float]]:
+    """Seconds of each round of the plain loop at every site (site -> [round 0, round 1, ...]); all sites at once,
+    one process each (spawned), every round started together."""
+    from pflseg.flare.methods import method
+
+    site_cls = method(cfg).site
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Manager() as manager, ProcessPoolExecutor(max_workers=len(sites), mp_context=ctx) as pool:
+        barrier = manager.Barrier(len(sites), timeout=timeout)
+        futures = {s: pool.submit(_plain_site, str(root), s, cfg, site_cls, rounds, threads, barrier) for s in sites}
+        return {s: f.result() for s, f in futures.items()}
+
+
+def _plain_site(root: str, site: str, cfg: dict, site_cls, rounds: int, threads: int, barrier) -> list[float]:
+    try:
+        return _plain_loop(root, site, cfg, site_cls, rounds, threads, barrier)
+    except BaseException:
+        barrier.abort()  # the other sites stop waiting for this one
+        raise
+
+
+def _plain_loop(root: str, site: str, cfg: dict, site_cls, rounds: int, threads: int, barrier) -> list[float]:
+    import torch
+    from monai.metrics import DiceMetric
+    from torch.utils.data import DataLoader
+
+    from pflseg.data import site_dataset
+    from pflseg.nets import build_net
+    from pflseg.train import build_loss, derive_seed, pick_device, seed_everything
+
+    torch.set_num_threads(threads)
+    device = pick_device("auto")
+    tc, size = cfg["train"], cfg["data"]["size"]
+    train = site_dataset(root, site, "training", size=size, foreground_only=cfg["data"]["foreground_only"])
+    val = site_dataset(root, site, "validation", size=size)
+    model = build_net(cfg["net"]).to(device)
+    loss_fn = build_loss(tc["loss"])
+    stand_in = types.SimpleNamespace(cfg=cfg, device=device, name=site, sites=[site], inner={})
+
+    @torch.no_grad()
+    def validate() -> float:
+        model.eval()
+        dice = DiceMetric(include_background=True, reduction="mean", ignore_empty=False)
+        for batch in DataLoader(val, batch_size=tc["eval_batch_size"], shuffle=False):
+            pred = (torch.sigmoid(model(batch["image"].to(device))) > 0.5).float()
+            dice(pred, (batch["label"].to(device) > 0.5).float())
+        return float(dice.aggregate())
+
+    optimizer, times = None, []
+    for r in range(rounds):
+        barrier.wait()
+        seed = derive_seed(cfg["seed"], site, r)
+        seed_everything(seed)
+        t0 = time.perf_counter()
+        validate()
+        hooks, extra = site_cls.round_hooks(stand_in, model, {})
+        if optimizer is None or extra is not None or not tc["keep_optimizer_state"]:
+            groups = [{"params": list(model.parameters())}]
+            if extra is not None:
+                groups.append({"params": list(extra.to(device).parameters())})
+            optimizer = torch.optim.Adam(groups, lr=tc["lr"])
+        loader = DataLoader(train, batch_size=tc["batch_size"], shuffle=True,
+                            generator=torch.Generator().manual_seed(seed))
+        model.train()
+        for _ in range(tc["epochs"]):
+            for batch in loader:
+                batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+                if hooks is not None and hooks.step is not None:
+                    hooks.step(model, batch, optimizer, loss_fn)
+                    continue
+                optimizer.zero_grad(set_to_none=True)
+                logits = model(batch["image"])
+                loss = loss_fn(logits, batch["label"])
+                if hooks is not None and hooks.extra_loss is not None:
+                    loss = loss + hooks.extra_loss(model, batch, logits)
+                loss.backward()
+                optimizer.step()
+            if hooks is not None and getattr(hooks, "epoch_end", None) is not None:
+                hooks.epoch_end(model, optimizer)
+        validate()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+# ---- (b), (c): FLARE runs -------------------------------------------------------------------------------------------
+def threads_per_site(n_sites: int) -> int:
+    """The torch threads a site gets in the simulator and in POC: ``PFLSEG_THREADS``, else cores / sites."""
+    return int(os.environ.get("PFLSEG_THREADS") or max(1, (os.cpu_count() or 1) // n_sites))
+
+
+def data_root(workspace: Path, n_sites: int, size: int) -> Path:
+    """A synthetic data root with at least ``n_sites`` inside sites (site-1 .. site-N; one more, the outside one, is
+    never used), made once per (sites, size) under ``<workspace>/data``."""
+    from pflseg.data import make_synthetic
+
+    root = workspace / "data" / f"sites{n_sites}_size{size}"
+    if not (root / "dataset.json").is_file():
+        make_synthetic(root, n_sites=n_sites + 1, size=size, seed=0)
+    return root
+
+
+def job_overrides(n_sites: int, rounds: int, size: int, sets: dict | None = None, executor: str | None = None) -> dict:
+    """The config overrides of every job of the report: ``sets`` (``--set``), then rounds, every site in every round
+    (min_clients), the image size and the site executor kind (when given)."""
+    out = _merge({}, sets or {})
+    out.update(rounds=rounds, min_clients=n_sites)
+    out.setdefault("data", {})["size"] = size
+    if executor:
+        out.setdefault("site", {})["executor"] = executor
+    return out
+
+
+def _merge(base: dict, more: dict) -> dict:
+    for key, value in more.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = json.loads(json.dumps(value))
+    return base
+
+
+def _history(results: dict) -> list[dict]:
+    return [{"round": h["round"], "wall_seconds": h["wall_seconds"], "site_compute_seconds": h["site_compute_seconds"]}
+            for h in results.get("history", [])]
+
+
+def run_sim(workspace: Path, job: str, n_sites: int, root: Path, overrides: dict, progress=print) -> dict:
+    """Job ``job`` in FLARE's simulator (workspace ``<workspace>/sim/<job>``), its processes' memory sampled. Returns
+    ``{"history", "executor", "footprint", "memory"}``."""
+    from pflseg.deploy.simulator import run_simulator
+    from pflseg.flare.jobs import export_job
+
+    ws = workspace / "sim" / job
+    job_dir = export_job(job, ws / "job", overrides=overrides)
+    with MemorySampler(ws.resolve() / "sim") as sampler:
+        results = run_simulator(job_dir, ws, n_sites=n_sites, data=root, progress=progress)
+    return {"history": _history(results), "executor": executor_kind(job_dir), "footprint": results.get("footprint"),
+            "memory": sampler.peak()}
+
+
+def run_poc(workspace: Path, jobs: dict[str, dict], n_sites: int, root: Path, progress=print) -> dict:
+    """Every job of ``jobs`` (job -> overrides) in one loopback POC federation (``<workspace>/poc``), one after the
+    other through the FLARE API. Returns job -> ``{"history", "executor", "wall_seconds"}`` or ``{"error"}``."""
+    from pflseg.deploy.poc import PocFederation
+    from pflseg.deploy.submit import submit
+    from pflseg.flare.jobs import export_job
+
+    fed = PocFederation(workspace / "poc", n_sites=n_sites, progress=progress)
+    fed.provision({"data": str(root)})
+    out: dict[str, dict] = {}
+    try:
+        fed.start()
+        fed.wait_connected()
+        for job, overrides in jobs.items():
+            job_dir = export_job(job, fed.workspace / "jobs", overrides=overrides)
+            t0 = time.time()
+            try:
+                results = submit(job_dir, fed.admin_kit(), out=fed.workspace / "results" / job, progress=progress)
+            except Exception as exc:  # noqa: BLE001 - one job's failure is reported; the others still run
+                out[job] = {"error": f"{type(exc).__name__}: {exc}"}
+                continue
+            out[job] = {"history": _history(results), "executor": executor_kind(job_dir),
+                        "wall_seconds": time.time() - t0, "status": results.get("status")}
+    finally:
+        fed.stop()
+    return out
+
+
+# ---- server aggregation ---------------------------------------------------------------------------------------------
+def plain_weighted_average(states: Sequence[dict], weights: Sequence[float]) -> dict:
+    """sum_k p_k w_k key by key, in float32, p_k = n_k / sum n: the plain torch reference of an aggregation step."""
+    total = float(sum(weights))
+    p = [float(w) / total for w in weights]
+    return {k: sum(pk * s[k].float() for pk, s in zip(p, states)) for k in states[0]}
+
+
+def best_seconds(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Minimum wall time of each function over ``repeats`` interleaved rounds, after one warm-up call each."""
+    best = {name: float("inf") for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def aggregation_times(jobs: Sequence[str], n_sites: int = 6, repeats: int = 3, net: dict | None = None) -> list[dict]:
+    """Each job's server aggregation step (its controller's ``aggregate``) over ``n_sites`` Gaussian updates of its
+    net (UNet jobs: ``net``, default ``grace_benchmark.NET``, ~8 M parameters) against ``plain_weighted_average`` of
+    the same tensors. A controller without an ``aggregate`` step gets a row with a ``note``."""
+    import torch
+    from nvflare.app_common.abstract.fl_model import FLMetaKey, FLModel
+
+    from pflseg.config import load_job_config
+    from pflseg.eval.grace_benchmark import NET
+    from pflseg.flare.methods import method
+    from pflseg.flare.state import RoundStore
+    from pflseg.flare.wire import GLOBAL, prefixed
+    from pflseg.nets import build_net
+
+    rows: list[dict[str, Any]] = []
+    sites = [f"site-{i + 1}" for i in range(n_sites)]
+    for job in jobs:
+        cfg = load_job_config(job)
+        if cfg["net"]["name"] == "unet":
+            cfg = load_job_config(job, overrides={"net": dict(net or NET)})
+        ctrl_cls = method(cfg).controller
+        if not callable(getattr(ctrl_cls, "aggregate", None)):
+            rows.append({"job": job, "step": None, "note": f"{ctrl_cls.__name__} aggregates nothing"})
+            continue
+        ctrl = ctrl_cls(config=cfg)
+        for name in ("info", "warning", "error", "log_scalars"):  # FLARE's logging needs a running job
+            setattr(ctrl, name, lambda *a, **k: None)
+        with tempfile.TemporaryDirectory() as tmp:
+            torch.manual_seed(0)
+            ctrl.init_state(cfg, sites, RoundStore(Path(tmp)))
+            g = ctrl.global_state
+            states = [{k: (v + 1e-3 * torch.randn_like(v) if v.is_floating_point() else v.clone())
+                       for k, v in g.items()} for _ in sites]
+            weights = [10.0 * (i + 1) for i in range(n_sites)]
+            results = {s: FLModel(params=prefixed(GLOBAL, st), metrics={}, meta={FLMetaKey.NUM_STEPS_CURRENT_ROUND: w})
+                       for s, st, w in zip(sites, states, weights)}
+            t = best_seconds({"step": lambda: ctrl.aggregate(results, g, 0),
+                              "plain": lambda: plain_weighted_average(states, weights)}, repeats)
+        params = sum(p.numel() for p in build_net(ctrl.cfg["net"]).parameters())
+        rows.append({"job": job, "step": f"{ctrl_cls.__name__}.aggregate", "sites": n_sites, "parameters": params,
+                     "step_s": t["step"], "plain_s": t["plain"], "ratio": t["step"] / t["plain"],
+                     "threads": torch.get_num_threads()})
+    return rows
+
+
+# ---- scaling --------------------------------------------------------------------------------------------------------
+def _routing_point(size: int, experts: int, threads: int) -> dict:
+    """IOP-FL routing cost at ``size`` with ``experts`` experts in this (fresh) process, with its peak RSS and the part
+    of it above the process's RSS before routing (``routing_rss_gib``: after the imports)."""
+    import resource
+
+    import psutil
+    import torch
+
+    from pflseg.eval.iopfl_cost import measure
+
+    torch.set_num_threads(threads)
+    base = psutil.Process().memory_info().rss  # the process with torch, MONAI and pflseg imported
+    row = measure(size, experts)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    return {**row, "peak_rss_gib": peak / GIB, "routing_rss_gib": max(0, peak - base) / GIB}
+
+
+def scaling(workspace: Path, job: str, sites: Sequence[int], sizes: Sequence[int], experts: Sequence[int],
+            base_sites: int, base_size: int, rounds: int, sets: dict | None = None, executor: str | None = None,
+            progress=print) -> list[dict]:
+    """Rows ``{"axis": "sites" | "size" | "experts", "value", ...}``: job ``job`` in the simulator at each number of
+    ``sites`` (image size ``base_size``) and each image size of ``sizes`` (``base_sites`` sites): wall per round, the
+    slowest site's compute, peak memory; IOP-FL routing at each number of ``experts`` (image size ``base_size``)."""
+    runs: dict[tuple[int, int], dict] = {}
+    rows = []
+    for axis, values in (("sites", sites), ("size", sizes)):
+        for value in values:
+            n, size = (value, base_size) if axis == "sites" else (base_sites, value)
+            if (n, size) not in runs:
+                progress(f"scaling: {job}, {n} sites, size {size}")
+                ws = workspace / "scaling" / f"sites{n}_size{size}"
+                over = job_overrides(n, rounds, size, sets, executor)
+                try:
+                    run = run_sim(ws, job, n, data_root(workspace, n, size), over, progress)
+                    costs = round_costs(run["history"])
+                    runs[n, size] = {"sites": n, "size": size, "wall_s": costs["wall_s"],
+                                     "slowest_s": costs["slowest_s"], **run["memory"]}
+                except Exception as exc:  # noqa: BLE001 - a setting too large for this machine: named, the rest runs
+                    runs[n, size] = {"sites": n, "size": size, "error": f"{type(exc).__name__}: {exc}"}
+            rows.append({"axis": axis, "value": value, **runs[n, size]})
+    ctx = multiprocessing.get_context("spawn")
+    for e in experts:
+        progress(f"scaling: IOP-FL routing, {e} experts, size {base_size}")
+        with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+            try:
+                point = pool.submit(_routing_point, base_size, e, threads_per_site(1)).result()
+            except Exception as exc:  # noqa: BLE001
+                point = {"error": f"{type(exc).__name__}: {exc}"}
+        rows.append({"axis": "experts", "value": e, "size": base_size, **point})
+    return rows
+
+
+def scaling_markdown(rows: list[dict]) -> str:
+    """The scaling rows as one Markdown table."""
+    head = ["axis", "value", "wall / round s", "slowest site s", "peak RSS, all GiB", "peak RSS, largest site GiB",
+            "routing s / image", "routing / UNet forward"]
+    body = []
+    for r in rows:
+        if "error" in r:
+            body.append([r["axis"], r["value"], f"failed: {r['error'][:80]}", "", "", "", "", ""])
+        elif r["axis"] == "experts":
+            rss = f"{_num(r.get('peak_rss_gib'), 2)} (+{_num(r.get('routing_rss_gib'), 2)} routing)"
+            body.append([r["axis"], r["value"], "-", "-", rss, "-",
+                         _num(r.get("routing_s_per_image"), 3), _num(r.get("ratio_routing_to_unet"), 0)])
+        else:
+            body.append([r["axis"], r["value"], _num(r["wall_s"], 2), _num(r["slowest_s"], 2),
+                         _num(r["peak_total_gib"], 2), _num(r["peak_site_max_gib"], 2), "-", "-"])
+    return markdown_table(head, body)
+
+
+def plot_scaling(rows: list[dict], path: str | Path) -> Path | None:
+    """One panel per axis: seconds (wall per round; routing s per image) and peak memory (GiB, right axis); None
+    without matplotlib or rows."""
+    from pflseg.eval.plots import _pyplot, have_matplotlib
+
+    axes = [a for a in ("sites", "size", "experts") if any(r["axis"] == a and "error" not in r for r in rows)]
+    if not have_matplotlib() or not axes:
+        return None
+    plt = _pyplot()
+    fig, panels = plt.subplots(1, len(axes), figsize=(4.5 * len(axes), 3.6), squeeze=False)
+    for ax, axis in zip(panels[0], axes):
+        pts = [r for r in rows if r["axis"] == axis and "error" not in r]
+        x = [r["value"] for r in pts]
+        if axis == "experts":
+            ax.plot(x, [r["routing_s_per_image"] for r in pts], "o-", label="routing s / image")
+            mem = {"peak RSS (process)": [r["peak_rss_gib"] for r in pts]}
+        else:
+            ax.plot(x, [r["wall_s"] for r in pts], "o-", label="wall / round")
+            ax.plot(x, [r["slowest_s"] for r in pts], "s--", label="slowest site compute")
+            mem = {"peak RSS, all": [r["peak_total_gib"] for r in pts],
+                   "peak RSS, largest site": [r["peak_site_max_gib"] for r in pts]}
+        ax.set_xlabel({"sites": "sites", "size": "image size (px)", "experts": "experts (K + 1)"}[axis])
+        ax.set_ylabel("seconds")
+        ax.set_ylim(bottom=0)
+        if len(x) > 1:  # the sweeps double: a log2 axis spaces them evenly
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(x, [str(v) for v in x])
+            ax.minorticks_off()
+        right = ax.twinx()
+        for (label, ys), style in zip(mem.items(), ("^:", "v:")):
+            right.plot(x, ys, style, color="tab:red", label=label)
+        right.set_ylabel("GiB")
+        right.set_ylim(bottom=0)
+        lines = ax.get_legend_handles_labels()
+        more = right.get_legend_handles_labels()
+        ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=7, loc="best")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ---- the report -----------------------------------------------------------------------------------------------------
+def run(workspace: str | Path, methods: Sequence[str] = DEFAULTS["methods"], sites: int = DEFAULTS["sites"],
+        rounds: int = DEFAULTS["rounds"], size: int = DEFAULTS["size"], envs: Sequence[str] = ENVS,
+        executor: str | None = None, sets: dict | None = None, agg_sites: int = DEFAULTS["agg_sites"],
+        repeats: int = DEFAULTS["repeats"], scale: bool = False,
+        scaling_sites: Sequence[int] = DEFAULTS["scaling_sites"],
+        scaling_sizes: Sequence[int] = DEFAULTS["scaling_sizes"],
+        scaling_experts: Sequence[int] = DEFAULTS["scaling_experts"],
+        scaling_method: str = DEFAULTS["scaling_method"],
+        progress=print) -> dict:
+    """Measure everything the module docstring lists; write ``speed.json`` (and with ``scale`` the scaling PNG) in
+    ``workspace``; return the result ``to_markdown`` renders.
+
+    Args:
+        methods: job names (``app_configs/<job>.yaml``).
+        envs: of ``ENVS``: ``sim`` (FLARE's simulator), ``poc`` (a loopback POC federation).
+        executor: the sites' executor kind (``site.executor``: ``executor`` | ``client_api``); None: the config's.
+        sets: config overrides of every job (``pflseg.config.parse_set`` of ``--set``).
+        scale: also the scaling sweeps (``scaling``).
+    """
+    from pflseg.deploy.simulator import workspace_lock
+
+    unknown = [e for e in envs if e not in ENVS]
+    if unknown or not envs:
+        raise ValueError(f"envs {list(envs)}: expected one or more of {', '.join(ENVS)}")
+    if sites < 2:
+        raise ValueError(f"sites={sites}: a federation needs at least 2 sites")
+    ws = Path(workspace).resolve()
+    result: dict = {"setup": {"methods": list(methods), "sites": sites, "rounds": rounds, "size": size,
+                              "envs": list(envs), "executor": executor, "sets": sets or {},
+                              "threads_per_site": threads_per_site(sites), "cores": os.cpu_count()},
+                    "rows": [], "errors": [], "plain": {}, "runs": {}}
+    with workspace_lock(ws):
+        root = data_root(ws, sites, size)
+        names = [f"site-{i + 1}" for i in range(sites)]
+        overrides = {job: job_overrides(sites, rounds, size, sets, executor) for job in methods}
+        for env in envs:
+            result["runs"][env] = {}
+        if "sim" in envs:
+            for job in methods:
+                progress(f"[sim] {job}: {sites} sites, {rounds} rounds, size {size}")
+                try:
+                    result["runs"]["sim"][job] = run_sim(ws, job, sites, root, overrides[job], progress)
+                except Exception as exc:  # noqa: BLE001 - named in the report; the other runs go on
+                    result["errors"].append(f"sim {job}: {type(exc).__name__}: {exc}")
+        if "poc" in envs:
+            progress(f"[poc] {', '.join(methods)}: {sites} sites, {rounds} rounds, size {size}")
+            try:
+                for job, run_ in run_poc(ws, overrides, sites, root, progress).items():
+                    if "error" in run_:
+                        result["errors"].append(f"poc {job}: {run_['error']}")
+                    else:
+                        result["runs"]["poc"][job] = run_
+            except Exception as exc:  # noqa: BLE001
+                result["errors"].append(f"poc: {type(exc).__name__}: {exc}")
+        from pflseg.config import load_job_config
+        from pflseg.flare.methods import method
+
+        for job in methods:
+            cfg = _effective(ws, job, result["runs"]) or load_job_config(job, overrides=overrides[job])
+            why = plain_equivalent(method(cfg).site)
+            if why:
+                result["plain"][job] = {"none": why}
+                continue
+            progress(f"[plain] {job}: {sites} sites at once, {rounds} rounds")
+            try:
+                result["plain"][job] = {"seconds": plain_rounds(root, names, cfg, rounds, threads_per_site(sites))}
+            except Exception as exc:  # noqa: BLE001
+                result["errors"].append(f"plain {job}: {type(exc).__name__}: {exc}")
+        for env in envs:
+            for job, run_ in result["runs"][env].items():
+                plain = result["plain"].get(job, {}).get("seconds")
+                row = compare(round_costs(run_["history"]), plain, run_["executor"], env)
+                memory = run_.get("memory") or {}
+                result["rows"].append({"env": env, "job": job, "executor": run_["executor"], **row,
+                                       "peak_total_gib": memory.get("peak_total_gib"),
+                                       "peak_site_max_gib": memory.get("peak_site_max_gib")})
+        progress(f"[aggregation] {', '.join(methods)}: {agg_sites} sites")
+        try:
+            result["aggregation"] = aggregation_times(methods, agg_sites, repeats)
+        except Exception as exc:  # noqa: BLE001
+            result["errors"].append(f"aggregation: {type(exc).__name__}: {exc}")
+        if scale:
+            result["scaling"] = scaling(ws, scaling_method, scaling_sites, scaling_sizes, scaling_experts, sites, size,
+                                        rounds, sets, executor, progress)
+            png = plot_scaling(result["scaling"], ws / SCALING_PNG)
+            result["scaling_png"] = str(png) if png else None
+        result["device"] = _device()
+        (ws / RESULTS_JSON).write_text(json.dumps(result, indent=1, default=str))
+        (ws / MARKDOWN).write_text(to_markdown(result) + "\n")
+    return result
+
+
+def _effective(ws: Path, job: str, runs: dict) -> dict | None:
+    """The effective config the sites received: the exported job's (simulator first, then POC); None if none ran."""
+    from pflseg.deploy.simulator import job_config
+
+    for folder in (ws / "sim" / job / "job" / job, ws / "poc" / "jobs" / job):
+        try:
+            return job_config(folder)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _device() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def _num(value, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _memory(row: dict) -> str:
+    if row.get("peak_total_gib") is None:
+        return "-"
+    return f"{row['peak_total_gib']:.2f} / {_num(row.get('peak_site_max_gib'), 2)}"
+
+
+HEAD = ["env", "job", "site executor", "plain loop s", "site compute s", "compute / plain", "round wall s",
+        "slowest site s", "fixed s / round", "FLARE floor s", "fixed - floor s", "peak RSS GiB (all / largest site)"]
+
+
+def to_markdown(result: dict) -> str:
+    """The report: a header line, the round table (one row per environment and job), the aggregation table, the
+    scaling table (when measured), notes and errors."""
+    s = result["setup"]
+    rounds = s["rounds"]
+    measured_text = "round 0" if rounds <= 1 else (f"rounds 1..{rounds - 1}" if rounds > 2 else "round 1")
+    lines = [f"{s['sites']} sites, image size {s['size']}, {rounds} rounds (measured: {measured_text}; medians), "
+             f"{s['threads_per_site']} torch thread(s) per site on {s['cores']} cores, device "
+             f"{result.get('device', '?')}", ""]
+    body = [[r["env"], r["job"], r["executor"], _num(r["plain_s"], 2), _num(r["compute_s"], 2), _num(r["ratio"], 2),
+             _num(r["wall_s"], 2), _num(r["slowest_s"], 2), _num(r["fixed_s"], 2), _num(r["floor_s"], 1),
+             _num(r["above_floor_s"], 2), _memory(r)] for r in result["rows"]]
+    lines.append(markdown_table(HEAD, body))
+    lines += ["", "round wall: the server's history[r].wall_seconds (first send to new global model); fixed = wall - "
+              "the round's slowest site compute; FLARE floor: FLARE.md's per-round floor of the job's site executor; "
+              "peak RSS: the simulator's processes (sampled every 0.5 s)."]
+    if rounds - 1 < 5:
+        lines.append(f"only {max(rounds - 1, 1)} round(s) measured: a round's fixed cost depends on where its end "
+                     "falls in FLARE's 0.5 s polling cycles (FLARE.md's floors are medians over 11 rounds), so fixed - "
+                     "floor may even be negative; use --rounds 7 or more for stable medians.")
+    for job, plain in result.get("plain", {}).items():
+        if "none" in plain:
+            lines.append(f"{job}: no plain loop ({plain['none']})")
+    agg = result.get("aggregation") or []
+    if agg:
+        lines += ["", "Server aggregation (minimum over interleaved repeats):", ""]
+        lines.append(markdown_table(
+            ["job", "server step", "sites", "parameters (M)", "step s", "plain weighted average s", "step / plain"],
+            [[a["job"], a.get("note") or a["step"], a.get("sites", "-"),
+              _num(a["parameters"] / 1e6 if "parameters" in a else None, 2), _num(a.get("step_s"), 4),
+              _num(a.get("plain_s"), 4), _num(a.get("ratio"), 2)] for a in agg]))
+    if result.get("scaling"):
+        lines += ["", "Scaling (simulator; routing: IOP-FL test-time routing, one process):", "",
+                  scaling_markdown(result["scaling"])]
+        if result.get("scaling_png"):
+            lines.append(f"\nplot: {result['scaling_png']}")
+    if result.get("errors"):
+        lines += ["", *[f"error: {e}" for e in result["errors"]]]
+    return "\n".join(lines)
+
+
+# ---- command line ---------------------------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``pflseg report speed``; a flag the parser has already (a report flag shared with other reports:
+    --workspace, --sites, --rounds, --size, --repeats, --set) is left as it is."""
+    def add(flag: str, **kw) -> None:
+        if flag not in parser._option_string_actions:
+            parser.add_argument(flag, **kw)
+
+    add("--workspace", default=None, help="folder of the data, runs and report (default: runs/speed)")
+    add("--methods", nargs="+", default=None,
+        help=f"jobs to measure (default: {' '.join(DEFAULTS['methods'])}; commas also separate)")
+    add("--sites", type=int, default=None, help=f"sites of every run (default {DEFAULTS['sites']})")
+    add("--rounds", type=int, default=None, help=f"rounds of every run (default {DEFAULTS['rounds']}; round 0 is "
+                                                 "not measured)")
+    add("--size", type=int, default=None, help=f"image size (default {DEFAULTS['size']})")
+    add("--envs", nargs="+", choices=ENVS, default=None, help="where FLARE runs: sim, poc (default: both)")
+    add("--executor", choices=EXECUTOR_KINDS, default=None, help="site executor kind site.executor (default: the "
+                                                                 "config's)")
+    add("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every job")
+    add("--agg-sites", type=int, default=None,
+        help=f"sites of the aggregation timing (default {DEFAULTS['agg_sites']})")
+    add("--repeats", type=int, default=None, help="timing repeats of the aggregation step")
+    add("--scaling", action="store_true", help="also: wall per round and peak memory against sites, size, experts")
+    add("--scaling-sites", type=int, nargs="+", default=None,
+        help=f"--scaling: numbers of sites (default {' '.join(map(str, DEFAULTS['scaling_sites']))})")
+    add("--scaling-sizes", type=int, nargs="+", default=None,
+        help=f"--scaling: image sizes (default {' '.join(map(str, DEFAULTS['scaling_sizes']))})")
+    add("--scaling-experts", type=int, nargs="+", default=None,
+        help=f"--scaling: routing experts K + 1 (default {' '.join(map(str, DEFAULTS['scaling_experts']))})")
+    add("--scaling-method", default=None, help=f"--scaling: the job (default {DEFAULTS['scaling_method']})")
+
+
+def options(**flags) -> dict:
+    """``run``'s keywords from parsed flags (``vars(args)``); flags of other reports are ignored."""
+    from pflseg.config import parse_set
+
+    def get(name, default=None):
+        value = flags.get(name)
+        return default if value is None else value
+
+    methods = [m.strip() for item in get("methods", DEFAULTS["methods"]) for m in str(item).split(",") if m.strip()]
+    return {"workspace": get("workspace", "runs/speed"), "methods": methods, "sites": get("sites", DEFAULTS["sites"]),
+            "rounds": get("rounds", DEFAULTS["rounds"]), "size": get("size", DEFAULTS["size"]),
+            "envs": tuple(get("envs", ENVS)), "executor": flags.get("executor"),
+            "sets": parse_set(list(flags.get("set") or [])), "agg_sites": get("agg_sites", DEFAULTS["agg_sites"]),
+            "repeats": get("repeats", DEFAULTS["repeats"]), "scale": bool(flags.get("scaling")),
+            "scaling_sites": tuple(get("scaling_sites", DEFAULTS["scaling_sites"])),
+            "scaling_sizes": tuple(get("scaling_sizes", DEFAULTS["scaling_sizes"])),
+            "scaling_experts": tuple(get("scaling_experts", DEFAULTS["scaling_experts"])),
+            "scaling_method": get("scaling_method", DEFAULTS["scaling_method"])}
+
+
+def report(**flags) -> str:
+    """``pflseg report speed``: ``run`` with the parsed flags (``options``); its Markdown (also in
+    ``<workspace>/speed.md``)."""
+    return to_markdown(run(**options(**flags)))

@@ -1,0 +1,205 @@
+"""The pure parts of `pflseg report speed` (pflseg.eval.speed): the round arithmetic against hand-made histories, the
+floors, the tables, the site executor kind of a job folder, the memory sampler on a real process."""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from nvflare.apis.executor import Executor
+from nvflare.app_common.executors.client_api_executor import ClientAPIExecutor
+
+from pflseg.eval import speed
+
+HISTORY = [  # round 0 loads the data: not measured
+    {"round": 0, "wall_seconds": 50.0, "site_compute_seconds": {"site-1": 40.0, "site-2": 45.0}},
+    {"round": 1, "wall_seconds": 4.0, "site_compute_seconds": {"site-1": 1.0, "site-2": 3.0}},
+    {"round": 2, "wall_seconds": 6.0, "site_compute_seconds": {"site-1": 2.0, "site-2": 1.0}},
+]
+
+
+class Echo(Executor):
+    def execute(self, task_name, shareable, fl_ctx, abort_signal):
+        return shareable
+
+
+class InProcessScript(ClientAPIExecutor):
+    def __init__(self):
+        super().__init__(execution_mode="in_process", task_script_path="train.py")
+
+
+# ---- arithmetic -----------------------------------------------------------------------------------------------------
+def test_round_costs_skip_round_zero_and_take_medians():
+    costs = speed.round_costs(HISTORY)
+    assert costs["rounds"] == [1, 2]
+    assert costs["wall"] == [4.0, 6.0] and costs["slowest"] == [3.0, 2.0] and costs["fixed"] == [1.0, 4.0]
+    assert costs["wall_s"] == 5.0 and costs["slowest_s"] == 2.5 and costs["fixed_s"] == 2.5
+    assert costs["compute"] == {"site-1": [1.0, 2.0], "site-2": [3.0, 1.0]}
+    assert costs["compute_s"] == pytest.approx((1.5 + 2.0) / 2)
+
+
+def test_a_single_round_is_measured_and_no_round_is_an_error():
+    costs = speed.round_costs(HISTORY[:1])
+    assert costs["rounds"] == [0] and costs["fixed_s"] == 5.0
+    with pytest.raises(ValueError, match="no round"):
+        speed.round_costs([])
+
+
+def test_compare_ratio_fixed_cost_and_floor():
+    plain = {"site-1": [9.0, 1.0, 1.0], "site-2": [9.0, 1.0, 1.5]}  # round 0 of the plain loop is not compared
+    row = speed.compare(speed.round_costs(HISTORY), plain, "executor", "sim")
+    assert row["plain_s"] == pytest.approx((1.0 + 1.25) / 2)
+    assert row["ratio"] == pytest.approx(1.75 / 1.125)
+    assert row["floor_s"] == 0.6 and row["above_floor_s"] == pytest.approx(2.5 - 0.6)
+    poc = speed.compare(speed.round_costs(HISTORY), None, "client_api", "poc")
+    assert poc["plain_s"] is None and poc["ratio"] is None and poc["above_floor_s"] == pytest.approx(2.5 - 0.8)
+    unknown = speed.compare(speed.round_costs(HISTORY), plain, "client_api_external", "sim")
+    assert unknown["floor_s"] is None and unknown["above_floor_s"] is None
+
+
+def test_floors_are_flares_table():
+    assert [speed.floor_seconds(k, e) for k in ("client_api", "executor") for e in ("sim", "poc")] == [1.2, 0.8, 0.6,
+                                                                                                       0.4]
+    assert speed.floor_seconds("unknown", "sim") is None
+
+
+def test_plain_weighted_average_closed_form():
+    out = speed.plain_weighted_average([{"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([3.0, 4.0])}], [1, 3])
+    assert torch.allclose(out["w"], torch.tensor([2.5, 3.5]))
+
+
+def test_job_overrides_keep_sets_but_rounds_sites_size_and_executor_win():
+    out = speed.job_overrides(3, 4, 32, {"rounds": 9, "train": {"epochs": 1}, "data": {"size": 8}}, "client_api")
+    assert out == {"rounds": 4, "min_clients": 3, "train": {"epochs": 1}, "data": {"size": 32},
+                   "site": {"executor": "client_api"}}
+    assert "site" not in speed.job_overrides(2, 2, 32)
+
+
+# ---- tables ---------------------------------------------------------------------------------------------------------
+def result(**more):
+    row = {"env": "sim", "job": "fedavg", "executor": "executor", "plain_s": 1.125, "compute_s": 1.75, "ratio": 1.5556,
+           "wall_s": 5.0, "slowest_s": 2.5, "fixed_s": 2.5, "floor_s": 0.6, "above_floor_s": 1.9,
+           "peak_total_gib": 2.054, "peak_site_max_gib": 0.651}
+    return {"setup": {"sites": 2, "size": 32, "rounds": 3, "threads_per_site": 1, "cores": 2}, "device": "cpu",
+            "rows": [row], "plain": {"iopfl": {"none": "its site's round is its own step"}},
+            "aggregation": [{"job": "grace", "step": "GraceController.aggregate", "sites": 6, "parameters": 8_000_000,
+                             "step_s": 0.2, "plain_s": 0.05, "ratio": 4.0},
+                            {"job": "local", "step": None, "note": "LocalController aggregates nothing"}],
+            "errors": [], **more}
+
+
+def test_to_markdown_renders_the_rows():
+    text = speed.to_markdown(result())
+    assert "2 sites, image size 32, 3 rounds (measured: rounds 1..2; medians)" in text
+    assert "| " + " | ".join(speed.HEAD) + " |" in text
+    assert "| sim | fedavg | executor | 1.12 | 1.75 | 1.56 | 5.00 | 2.50 | 2.50 | 0.6 | 1.90 | 2.05 / 0.65 |" in text
+    assert "iopfl: no plain loop (its site's round is its own step)" in text
+    assert "| grace | GraceController.aggregate | 6 | 8.00 | 0.2000 | 0.0500 | 4.00 |" in text
+    assert "| local | LocalController aggregates nothing | - | - | - | - | - |" in text
+    assert "error:" not in text and "Scaling" not in text
+
+
+def test_to_markdown_names_errors_and_missing_numbers():
+    res = result(errors=["poc: RuntimeError: no connection"])
+    res["rows"][0].update(plain_s=None, ratio=None, floor_s=None, above_floor_s=None, peak_total_gib=None)
+    text = speed.to_markdown(res)
+    assert "| sim | fedavg | executor | - | 1.75 | - | 5.00 | 2.50 | 2.50 | - | - | - |" in text
+    assert "error: poc: RuntimeError: no connection" in text
+
+
+def test_scaling_table():
+    rows = [{"axis": "sites", "value": 3, "wall_s": 2.0, "slowest_s": 1.5, "peak_total_gib": 1.25,
+             "peak_site_max_gib": 0.5},
+            {"axis": "experts", "value": 4, "peak_rss_gib": 0.75, "routing_rss_gib": 0.25,
+             "routing_s_per_image": 0.0123, "ratio_routing_to_unet": 41.6},
+            {"axis": "size", "value": 256, "error": "MemoryError: "}]
+    text = speed.scaling_markdown(rows)
+    assert "| sites | 3 | 2.00 | 1.50 | 1.25 | 0.50 | - | - |" in text
+    assert "| experts | 4 | - | - | 0.75 (+0.25 routing) | - | 0.012 | 42 |" in text
+    assert "| size | 256 | failed: MemoryError:  |" in text
+
+
+# ---- the job's site executor kind -----------------------------------------------------------------------------------
+def job_folder(tmp_path, path, args=None, tasks=("*",)):
+    config = tmp_path / "job" / "app" / "config"
+    config.mkdir(parents=True, exist_ok=True)
+    entry = {"tasks": list(tasks), "executor": {"path": path, "args": args or {}}}
+    (config / "config_fed_client.json").write_text(json.dumps({"format_version": 2, "executors": [entry]}))
+    return tmp_path / "job"
+
+
+@pytest.mark.parametrize("path, args, kind", [
+    ("pflseg.flare.executor.SiteExecutor", {}, "executor"),
+    ("job_client.SiteExecutor", {}, "executor"),  # a BYOC job's name for it
+    (f"{__name__}.Echo", {}, "executor"),
+    ("nvflare.app_common.executors.client_api_executor.ClientAPIExecutor",
+     {"execution_mode": "in_process", "task_script_path": "job_client.py"}, "client_api"),
+    (f"{__name__}.InProcessScript", {}, "client_api"),  # a subclass that sets the mode itself
+    ("nvflare.app_common.executors.client_api_executor.ClientAPIExecutor",
+     {"execution_mode": "external_process", "command": "python train.py"}, "client_api_external"),
+    ("no.such_module.Executor", {}, "unknown"),
+])
+def test_executor_kind_of_a_job_folder(tmp_path, path, args, kind):
+    assert speed.executor_kind(job_folder(tmp_path, path, args)) == kind
+
+
+def test_executor_kind_of_the_train_task(tmp_path):
+    assert speed.executor_kind(job_folder(tmp_path, f"{__name__}.Echo", tasks=["validate"])) == "unknown"
+    job = job_folder(tmp_path, f"{__name__}.Echo", tasks=["train"])
+    assert speed.executor_kind(job) == "executor"
+
+
+# ---- memory --------------------------------------------------------------------------------------------------------
+def test_site_of_a_simulator_process():
+    worker = ["python", "-m", "nvflare.private.fed.app.simulator.simulator_worker", "-o", "/ws/sim/site-2",
+              "--client", "site-2", "--token", "x"]
+    assert speed.site_of(worker) == "site-2"
+    assert speed.site_of(["nvflare", "simulator", "/jobs/fedavg", "-w", "/ws/sim", "-n", "2"]) == "server"
+
+
+def test_memory_sampler_counts_each_process_for_its_site(tmp_path):
+    """A simulator that started a site worker (its child): each is counted for itself, not the child for its parent."""
+    marker = tmp_path / "sim"
+    child = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', "
+             f"{str(marker / 'site-1')!r}, '--client', 'site-1']); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", child, "-w", str(marker)], start_new_session=True)
+    try:
+        sampler = speed.MemorySampler(marker)
+        for _ in range(50):  # until both run
+            time.sleep(0.1)
+            sampler.sample()
+            if sampler.parts.keys() == {"server", "site-1"}:
+                break
+        peak = sampler.peak()
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert set(peak["peak_site_gib"]) == {"site-1"} and peak["peak_server_gib"] > 0
+    assert 0 < peak["peak_site_max_gib"] < peak["peak_total_gib"]
+    assert peak["peak_total_gib"] <= peak["peak_site_max_gib"] + peak["peak_server_gib"] + 1e-9
+
+
+# ---- plain loop availability, flags -------------------------------------------------------------------------------
+def test_plain_equivalent_only_for_the_one_loop_with_hooks():
+    from pflseg.flare.methods import METHODS
+
+    assert speed.plain_equivalent(METHODS["fedavg"].site) is None
+    assert speed.plain_equivalent(METHODS["grace"].site) is None
+    assert "own step" in speed.plain_equivalent(METHODS["iopfl"].site)
+
+
+def test_flags_reach_run():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sites", type=int)  # a report flag declared elsewhere is left as it is
+    speed.add_arguments(parser)
+    args = parser.parse_args(["--methods", "fedavg,grace", "fedprox", "--sites", "2", "--envs", "sim", "--set",
+                              "train.epochs=1", "--scaling"])
+    opts = speed.options(**vars(args), experts=5)
+    assert opts["methods"] == ["fedavg", "grace", "fedprox"] and opts["sites"] == 2 and opts["envs"] == ("sim",)
+    assert opts["sets"] == {"train": {"epochs": 1}} and opts["scale"] and opts["rounds"] == speed.DEFAULTS["rounds"]
+    assert opts["workspace"] == "runs/speed"
