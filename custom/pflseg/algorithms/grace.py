@@ -89,10 +89,24 @@ def _check_keys(global_state: State, client_states: Sequence[State], keys: Itera
                 )
 
 
-def _update_block(global_state: State, client_states: Sequence[State], key: str, dtype: torch.dtype) -> torch.Tensor:
-    """(K, p) block of the updates g_k = theta_g - theta_k for one tensor, on the CPU in ``dtype``."""
-    g = global_state[key].detach().to("cpu", dtype).reshape(1, -1)
-    return g - torch.stack([s[key].detach().to("cpu", dtype).reshape(-1) for s in client_states])
+def _update_block(global_state: State, client_states: Sequence[State], key: str, dtype: torch.dtype,
+                  buffer: torch.Tensor | None = None) -> torch.Tensor:
+    """(K, p) block of the updates g_k = theta_g - theta_k for one tensor, on the CPU in ``dtype``.
+
+    Each row is one subtraction written in place: theta_k is promoted to ``dtype`` inside the kernel (an exact
+    widening), so the values are those of ``g.to(dtype) - theta_k.to(dtype)`` without a converted copy of every
+    client tensor and a stacked copy of them all. With ``buffer`` (flat, ``dtype``, at least K p elements) the
+    block is a contiguous view of its start, overwritten by the next call: no fresh pages to fault in per tensor.
+    """
+    g = global_state[key].detach().to("cpu", dtype).reshape(-1)
+    shape = (len(client_states), g.numel())
+    if buffer is not None and buffer.dtype == dtype and buffer.numel() >= shape[0] * shape[1]:
+        block = buffer[:shape[0] * shape[1]].view(shape)
+    else:
+        block = torch.empty(shape, dtype=dtype)
+    for i, s in enumerate(client_states):
+        torch.sub(g, s[key].detach().to("cpu").reshape(-1), out=block[i])
+    return block
 
 
 def update_vectors(global_state: State, client_states: Sequence[State], keys: Sequence[str]) -> torch.Tensor:
@@ -307,19 +321,25 @@ def grace_step(
             raise ValueError(f"trainable_keys: key '{key}' is not floating point ({global_state[key].dtype})")
     _check_keys(global_state, client_states, trainable + buffers)
 
-    grams = [_gram(_update_block(global_state, client_states, key, torch.float64), GRAM_CHUNK_ELEMENTS)
+    # one float64 scratch block for the largest tensor, reused by both passes (each block is consumed at once)
+    buffer = torch.empty(k * max(global_state[key].numel() for key in trainable), dtype=torch.float64)
+    grams = [_gram(_update_block(global_state, client_states, key, torch.float64, buffer), GRAM_CHUNK_ELEMENTS)
              for key in trainable]
     sim = _similarity_from_grams(grams, mode)
     c = consistency(sim, self_mode)
     p_prime = reweight_probs(c, weights)
 
-    new_state = {key: v.detach().to("cpu").clone() for key, v in global_state.items()}
+    stepped = set(trainable)
+    new_state = {key: v.detach().to("cpu") if key in stepped else v.detach().to("cpu").clone()
+                 for key, v in global_state.items()}  # trainable entries replaced below: no clone for them
     for key in trainable:
-        ref = global_state[key]
-        block = _update_block(global_state, client_states, key, torch.float64)  # (K, p)
+        ref = global_state[key].detach().to("cpu")
+        block = _update_block(global_state, client_states, key, torch.float64, buffer)  # (K, p), recomputed
         step = (p_prime[None, :] @ block if rule == "mean"
                 else combine_rows(block, p_prime.tolist(), rule, trim)).reshape(ref.shape)
-        new_state[key] = (ref.detach().to("cpu", torch.float64) - eta_g * step).to(ref.dtype)
+        if eta_g != 1.0:  # eta_g = 1 skips an exact multiplication
+            step.mul_(eta_g)
+        new_state[key] = torch.sub(ref, step).to(ref.dtype)  # ref is promoted to float64 inside the kernel
     if buffers:
         new_state.update(aggregate(client_states, p_prime.tolist(), buffers, rule, trim))
     return new_state, {"sim": sim, "consistency": c, "p_prime": p_prime}

@@ -45,7 +45,9 @@ class GraceController(FedAvgController):
         grace = self.cfg["grace"]
         if not grace["server"]:
             return super().aggregate(results, state, r)
-        trainable, buffers = grace_keys(build_net(self.cfg["net"]))
+        if getattr(self, "_grace_keys", None) is None:  # the net is fixed for the job: build it once, not per round
+            self._grace_keys = grace_keys(build_net(self.cfg["net"]))
+        trainable, buffers = self._grace_keys
         states = [unprefixed(GLOBAL, res.params) for res in results.values()]
         weights = [res.meta[FLMetaKey.NUM_STEPS_CURRENT_ROUND] for res in results.values()]
         new, info = grace_step(
