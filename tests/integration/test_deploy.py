@@ -121,7 +121,9 @@ def test_straggler_beyond_the_timeout_is_left_out_then_back(fed, tmp_path):
     assert "timed out" in res["missing"]["site-3"]
     assert rounds_of(res, "site-1") == [0, 1, 2, 3]
     late = rounds_of(res, "site-3")
-    assert late[0] == 0 and 1 not in late and late[-1] == 3, late  # out while stopped, re-admitted after
+    # out of the round it was stopped in (round 1, or 2 where it had answered round 1 before the stop took effect:
+    # the Executor site answers without a poll), re-admitted after
+    assert late[0] == 0 and len(late) < 4 and late[-1] == 3, late
     check_per_site(res, SITES)  # and tested at the end with its own state
 
 

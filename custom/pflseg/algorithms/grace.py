@@ -59,6 +59,10 @@ MODES = ("total", "split", "reweight")
 SELF_MODES = ("include", "exclude")
 SHIFT_EPS = 1e-3
 GRAM_CHUNK_ELEMENTS = 1 << 22  # 4M float64 values (32 MiB) per chunk of the Gram accumulation
+#: ``grace_step`` keeps the float64 update blocks of the Gram pass for the step when they fit in this many bytes
+#: (K = 6 sites of an 8 M parameter UNet: 395 MB); above it, each block is recomputed for the step (same values)
+KEEP_BLOCKS_BYTES = 1 << 30
+ALIGN_ELEMENTS = 8  # 64 bytes of float64: torch's CPU allocator alignment
 
 
 def grace_keys(model: nn.Module) -> tuple[list[str], list[str]]:
@@ -321,10 +325,23 @@ def grace_step(
             raise ValueError(f"trainable_keys: key '{key}' is not floating point ({global_state[key].dtype})")
     _check_keys(global_state, client_states, trainable + buffers)
 
-    # one float64 scratch block for the largest tensor, reused by both passes (each block is consumed at once)
-    buffer = torch.empty(k * max(global_state[key].numel() for key in trainable), dtype=torch.float64)
-    grams = [_gram(_update_block(global_state, client_states, key, torch.float64, buffer), GRAM_CHUNK_ELEMENTS)
-             for key in trainable]
+    # The update blocks, in float64, are needed twice: by the Gram matrices and, once p' is known, by the step.
+    # Kept between the two passes (each a contiguous view of one allocation) when K P float64 values fit in
+    # KEEP_BLOCKS_BYTES; otherwise one scratch block sized for the largest tensor is refilled for each tensor, twice.
+    # Every kept block starts 64-byte aligned, as a fresh tensor does: BLAS may sum in another order otherwise.
+    sizes = [global_state[key].numel() for key in trainable]
+    spans = [-(-k * size // ALIGN_ELEMENTS) * ALIGN_ELEMENTS for size in sizes]
+    keep = 8 * sum(spans) <= KEEP_BLOCKS_BYTES
+    scratch = torch.empty(sum(spans) if keep else k * max(sizes), dtype=torch.float64)
+    blocks: dict[str, torch.Tensor] = {}
+    grams = []
+    offset = 0
+    for key, size, span in zip(trainable, sizes, spans):
+        block = _update_block(global_state, client_states, key, torch.float64, scratch[offset:offset + k * size])
+        grams.append(_gram(block, GRAM_CHUNK_ELEMENTS))
+        if keep:
+            blocks[key] = block
+            offset += span
     sim = _similarity_from_grams(grams, mode)
     c = consistency(sim, self_mode)
     p_prime = reweight_probs(c, weights)
@@ -334,7 +351,7 @@ def grace_step(
                  for key, v in global_state.items()}  # trainable entries replaced below: no clone for them
     for key in trainable:
         ref = global_state[key].detach().to("cpu")
-        block = _update_block(global_state, client_states, key, torch.float64, buffer)  # (K, p), recomputed
+        block = blocks[key] if keep else _update_block(global_state, client_states, key, torch.float64, scratch)
         step = (p_prime[None, :] @ block if rule == "mean"
                 else combine_rows(block, p_prime.tolist(), rule, trim)).reshape(ref.shape)
         if eta_g != 1.0:  # eta_g = 1 skips an exact multiplication

@@ -12,7 +12,6 @@ pass.
 
 from __future__ import annotations
 
-import time
 from json import dumps
 from pathlib import Path
 
@@ -20,20 +19,8 @@ import torch
 
 from pflseg.algorithms.routing import build_routed_model, loss_weights, router_parameters, unsupervised_loss
 from pflseg.eval.markdown import markdown_table
+from pflseg.eval.speed import best_seconds
 from pflseg.nets import build_net
-
-
-def _time(fns: dict, repeats: int) -> dict:
-    """Minimum wall time of each function over ``repeats`` interleaved rounds (robust to other load on the CPU)."""
-    best = {name: float("inf") for name in fns}
-    for fn in fns.values():
-        fn()  # warm-up
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
 
 
 def measure(size: int, n_experts: int = 5, batch: int = 8, epochs: int = 10, repeats: int = 3,
@@ -61,7 +48,7 @@ def measure(size: int, n_experts: int = 5, batch: int = 8, epochs: int = 10, rep
         loss.mean().backward()
         opt.step()
 
-    t = _time({"single": forward_single, "routed": forward_routed, "step": step}, repeats)
+    t = best_seconds({"single": forward_single, "routed": forward_routed, "step": step}, repeats)
     single_s, routed_s, step_s = t["single"] / batch, t["routed"] / batch, t["step"] / batch
     return {"size": size, "experts": n_experts, "batch": batch, "epochs": epochs, "threads": torch.get_num_threads(),
             "unet_forward_s_per_sample": single_s, "routed_forward_s_per_sample": routed_s,

@@ -337,3 +337,44 @@ def test_matches_naive_computation_end_to_end():
     stepped = torch.cat([g["w"], g["b"]]).double() - step
     assert torch.allclose(torch.cat([new["w"], new["b"]]).double(), stepped, atol=1e-6)
     assert F.cosine_similarity(upd[0], upd[1], dim=0).item() != 0  # a non-degenerate example
+
+
+def _stacked_reference_step(g, clients, p_prime, eta_g):
+    """The former formulation of the step (stacked float64 copies, then ``g - eta_g * p' U``)."""
+    out = {}
+    for key, ref in g.items():
+        block = ref.double().reshape(1, -1) - torch.stack([c[key].double().reshape(-1) for c in clients])
+        out[key] = (ref.double() - eta_g * (p_prime[None, :] @ block).reshape(ref.shape)).to(ref.dtype)
+    return out
+
+
+@pytest.mark.parametrize("eta_g", [1.0, 0.7])
+@pytest.mark.parametrize("rule", ["mean", "trimmed_mean"])
+def test_kept_and_recomputed_blocks_give_bit_identical_steps(monkeypatch, eta_g, rule):
+    import pflseg.algorithms.grace as grace_mod
+
+    torch.manual_seed(3)
+    g = {"w": torch.randn(4, 3, 3), "b": torch.randn(5), "h": torch.randn(2, 7, dtype=torch.float64)}
+    clients = [{k: v + 1e-2 * torch.randn_like(v) for k, v in g.items()} for _ in range(5)]
+    weights = [1.0, 2.0, 3.0, 4.0, 5.0]
+    kept, info = grace_step(g, clients, weights, eta_g=eta_g, rule=rule, trim=0.2)
+    monkeypatch.setattr(grace_mod, "KEEP_BLOCKS_BYTES", 0)
+    recomputed, info2 = grace_step(g, clients, weights, eta_g=eta_g, rule=rule, trim=0.2)
+    assert torch.equal(info["sim"], info2["sim"]) and torch.equal(info["p_prime"], info2["p_prime"])
+    for key in g:
+        assert torch.equal(kept[key], recomputed[key]) and kept[key].dtype == g[key].dtype
+    if rule == "mean":
+        expected = _stacked_reference_step(g, clients, info["p_prime"], eta_g)
+        for key in g:
+            assert torch.equal(kept[key], expected[key])
+
+
+def test_update_blocks_equal_the_stacked_differences_in_the_promoted_dtype():
+    torch.manual_seed(4)
+    g = {"w": torch.randn(6, 5), "v": torch.randn(3, dtype=torch.float16)}
+    clients = [{k: v + torch.randn_like(v) for k, v in g.items()} for _ in range(3)]
+    keys = ["w", "v"]
+    expected = torch.cat([g[k].float().reshape(1, -1) - torch.stack([c[k].float().reshape(-1) for c in clients])
+                          for k in keys], dim=1)  # float32 and float16 inputs: float32 updates
+    u = update_vectors(g, clients, keys)
+    assert u.dtype == torch.float32 and torch.equal(u, expected)
