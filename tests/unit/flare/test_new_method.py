@@ -4,11 +4,13 @@ rules, exported and refused by the CLI, planned by the bench with its own column
 allowed in package-mode deployments and identified by its own section in a run's record.
 
 Every project function below is the real one; the only edits are the ones a new method makes (``METHODS`` and a copy
-of app_configs/, through ``PFLSEG_CONFIGS``). tests/unit/eval/test_a_new_method.py runs a whole bench on it.
+of app_configs/, through ``PFLSEG_CONFIGS``). The bench also runs on it, end to end, with the
+simulator stubbed (its results.json).
 """
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from pflseg.cli import build_parser, main
 from pflseg.config import ConfigError, check_effective, configs_dir, job_names, load_job_config
 from pflseg.data import make_synthetic
 from pflseg.deploy.simulator import differences, run_record
+from pflseg.eval import bench as bench_module
 from pflseg.eval.bench import Bench, default_methods, inside_columns, outside_columns
 from pflseg.eval.tables import dice_table, label
 from pflseg.flare.allowlist import pflseg_classes
@@ -152,6 +155,34 @@ def test_the_bench_plans_it_with_its_columns(fedavgm, tmp_path):
     alone = Bench(tmp_path / "ws", data=root, methods=["fedavgm"], holdout=["site-4"], progress=lambda m: None)
     assert alone.outside  # its outside column: the held-out site-4 is scored on its runs too
     assert bench.expected(0, "inside", "fedavgm")["config"]["fedavgm"]["beta"] == 0.9
+
+
+def fake_simulator(job_dir, workspace, n_sites=3, threads=None, data=None, progress=print, clients=None, inputs=None):
+    """run_simulator's stand-in: a results.json of the shape a run writes, each site scoring 0.5 (0.6 with FedAvgM)."""
+    job = Path(job_dir).name
+    dice = 0.6 if job == "fedavgm" else 0.5
+    score = {"dice": dice, "n_cases": 2, "n_images": 4}
+    res = {"job": job, "method": job, "sites": clients, "missing": {},
+           "test": {s: {"global": score, "global_adabn": score, "site": score} for s in clients},
+           "history": [{"round": 0, "val_dice": {s: dice for s in clients}, "site_metrics": {}}],
+           "footprint": {"wall_seconds": 1.0}}
+    server = Path(workspace) / "state" / "server" / job
+    server.mkdir(parents=True, exist_ok=True)
+    (server / "results.json").write_text(json.dumps(res))
+    return res
+
+
+def test_the_bench_runs_it_and_reports_it_against_fedavg(fedavgm, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_module, "run_simulator", fake_simulator)
+    root = make_synthetic(tmp_path / "root", n_sites=4, cases=3, size=16, depth=2)
+    bench = Bench(tmp_path / "ws", data=root, methods=["fedavg", "fedavgm"], seeds=[0], holdout=["site-4"], rounds=1,
+                  outside=False, progress=lambda m: None)
+    report = bench.execute()
+    assert report["inside"]["FedAvgM"]["site-1"]["mean"] == 0.6 and report["inside_backbone"]["FedAvgM"] == "unet"
+    assert report["inside_vs_fedavg"]["FedAvgM"]["mean"] > 0.099  # paired with FedAvg, the reference of its backbone
+    assert "| FedAvgM | 0.600 | 0.600 | 0.600 | **0.600** |" in (tmp_path / "ws" / "bench.md").read_text()
+    assert "site-1,FedAvgM,0.6000" in (tmp_path / "ws" / "bench_inside.csv").read_text()
+    assert dice_table({"fedavgm": bench.results(0, "inside", "fedavgm")}).splitlines()[0] == "| site | FedAvgM |"
 
 
 def test_the_tables_label_it(fedavgm):
