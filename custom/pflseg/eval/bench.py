@@ -625,7 +625,7 @@ def run_bench(workspace: str | Path, data: str | Path | None = None, synth_sites
 
 
 #: ``pflseg iopfl loso``: IOP-FL's leave-one-site-out protocol is the bench of IOP-FL alone, every site held out once
-LOSO = {"methods": ["iopfl"], "outside": True, "holdout": ["all"]}
+LOSO = {"methods": [name for name, entry in METHODS.items() if entry.loso], "outside": True, "holdout": ["all"]}
 
 
 def run_loso(holdout: list[str] | None = None, **settings) -> dict:

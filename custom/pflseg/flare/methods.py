@@ -65,6 +65,8 @@ class Method(NamedTuple):
     #: outside tables: (label, job, method of the routing job or "super", treatment); the demo's order is the registry's
     demo_inside: tuple = ()
     demo_outside: tuple = ()
+    #: run by ``pflseg iopfl loso`` (every site held out once, the outside table)
+    loso: bool = False
 
 
 #: the order is the tables' row order
@@ -106,7 +108,7 @@ METHODS: dict[str, Method] = {
                  "grace_refcode": (("GRACE ref-code weights global", "grace_refcode", "global", "running"),)},
         demo_inside=(("GRACE global", "grace", "global", "unet"), ("GRACE personalized", "grace", "site", "unet"))),
     "iopfl": Method(
-        IOPFLController, IOPFLSite, ("iopfl",), label="IOP-FL",
+        IOPFLController, IOPFLSite, ("iopfl",), label="IOP-FL", loso=True,
         inside={"iopfl": (("IOP-FL global", "iopfl", "global", "unet"), ("IOP-FL P_k", "iopfl", "site", "unet"))},
         # "route:<m>": method m of the routing job, which scores its static comparators under both treatments in the
         # very batches routing and Tent adapt on (the IOP-FL run's global model is FedAvg's, bit for bit, at one seed)
