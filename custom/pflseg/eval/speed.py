@@ -25,7 +25,8 @@ Rounds measured: 1 .. R-1 (round 0 also loads and caches each site's data; with 
 site compute / plain loop, and the **fixed cost per round** = round wall - the round's slowest site compute (median
 over the measured rounds) beside FLARE's per-round floor for the job's site executor kind (read from the built job's
 ``config_fed_client.json``; measured with a no-work job, README "Site executor": Client API in-process 1.2 s
-simulator / 0.8 s POC, plain ``Executor`` 0.6 s / 0.4 s). ``sim``: ``nvflare simulator`` (``pflseg.deploy.simulator.run_simulator``), with the
+simulator / 0.8 s POC, plain ``Executor`` 0.6 s / 0.4 s). ``sim``: ``nvflare simulator``
+(``pflseg.deploy.simulator.run_simulator``), with the
 host memory of its processes sampled (psutil, every 0.5 s: per site process and in all); ``poc``: one loopback POC
 federation (``pflseg.deploy.poc.PocFederation``) that runs every method's job in turn through the FLARE API.
 
