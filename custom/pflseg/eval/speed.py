@@ -287,8 +287,11 @@ def plain_rounds(root: str | Path, sites: list[str], cfg: dict, rounds: int, thr
     """Seconds of each round of the plain loop at every site (site -> [round 0, round 1, ...]); all sites at once,
     one process each (spawned), every round started together."""
     from pflseg.flare.methods import method
+    from pflseg.nets import fit_to_sites
 
     site_cls = method(cfg).site
+    cfg = json.loads(json.dumps(cfg))
+    fit_to_sites(cfg["net"], sites)  # as the server sizes it (the LC-Fed net's site embeddings: FT, LC-Fed)
     ctx = multiprocessing.get_context("spawn")
     with ctx.Manager() as manager, ProcessPoolExecutor(max_workers=len(sites), mp_context=ctx) as pool:
         barrier = manager.Barrier(len(sites), timeout=timeout)

@@ -12,7 +12,9 @@ becomes an error reply that names the problem (the server leaves the site out of
 dead site. The reply, and the ERROR line in FLARE's log, carry what may leave the site only
 (``pflseg.flare.privacy.public_error``: data problems as codes, counts and pseudonyms; no absolute path; an
 unforeseen exception by its type); the full detail goes to the site-local ``<state root>/site_errors.log``,
-which the reply names. The site claims its state folder for the FLARE job's id (``flare.get_job_id()``). Before
+which the reply names. A task stopped because it was aborted (``pflseg.train.loop.TaskAborted``: the executor's stop
+check, between training batches) is no failure: no reply and no state of the round are written; the exception goes
+on to the executor. The site claims its state folder for the FLARE job's id (``flare.get_job_id()``). Before
 the site is made and before every task, the site's own policy (``pflseg.flare.policy.check_task``, read from its
 settings every time) may refuse what the job asks; a test reply names the site's data source (``data_source``).
 """
@@ -33,6 +35,7 @@ from pflseg.flare.policy import check_task
 from pflseg.flare.privacy import Pseudonyms, public_error, write_local_log
 from pflseg.flare.settings import data_source, site_settings
 from pflseg.flare.state import state_dir
+from pflseg.train.loop import TaskAborted
 
 log = logging.getLogger("pflseg.client")
 
@@ -65,6 +68,9 @@ def answer(name: str, task: str, msg: FLModel, site, job_id: str | None = None):
         if isinstance(out.metrics.get("test"), dict):  # results.json and the admin's table name each site's data
             out.metrics["test"] = {**out.metrics["test"], "data_source": data_source(settings)}
         return out, site
+    except TaskAborted as exc:  # aborted (stop_when): no reply, no state; the site (new or not) goes with it
+        exc.site = site
+        raise
     except Exception as exc:  # noqa: BLE001 - every failure is a reply, never a dead site
         if state_root is None:
             state_root = _state_root(name)

@@ -17,8 +17,12 @@ turned into ``fed.analytix_log_stats`` by the job's ``ConvertToFedEvent``: the T
 on the server see the same series), and torch tensors travel end to end (FLARE's ``TensorDecomposer``). Tasks run
 one at a time in the site's one worker thread (as the Client API script runs in one), so an aborted task
 (``abort_signal``: the server's task timeout, an aborted or ending job) is answered TASK_ABORTED at once, as the
-Client API executor answers it; the site finishes a task it has begun in the background (its state files are
-written whole or not at all) and the next task waits for it; a task aborted before it began is never begun.
+Client API executor answers it, and the site stops computing it: the worker runs the task under
+``pflseg.train.loop.stop_when(abort_signal.triggered)``, so the one training loop stops before its next batch
+(``TaskAborted``: no reply, no state of the round written: the model left mid-way is saved nowhere; the state
+files are written whole or not at all). A task aborted after its training (while it scores or saves its model) ends
+as before: its state is written, its reply not sent. The next task waits for the worker; a task aborted before it
+began is never begun. Without an abort nothing differs: the check only reads the signal.
 
 Package-mode jobs name ``pflseg.flare.executor.SiteExecutor`` (sites allow it: ``pflseg.flare.allowlist``); BYOC
 jobs name ``job_client.SiteExecutor`` (``pflseg/flare/job_client.py``, carried in the job's ``app/custom``), whose
@@ -50,6 +54,7 @@ from nvflare.client.config import ExchangeFormat
 from nvflare.fuel.utils import fobs
 
 from pflseg.flare import client
+from pflseg.train.loop import TaskAborted, stop_when
 
 log = logging.getLogger("pflseg.client")
 
@@ -90,8 +95,8 @@ class SiteExecutor(Executor):
         self._inbox.put((name, task_name, msg, job_id, abort_signal, done))
         while not done["finished"].wait(ABORT_CHECK):  # returns the moment the site has answered
             if abort_signal.triggered:
-                self.log_info(fl_ctx, f"task '{task_name}' aborted; a site that has begun it finishes it in the "
-                                      "background")
+                self.log_info(fl_ctx, f"task '{task_name}' aborted; a site that has begun it stops before its next "
+                                      "training batch")
                 return make_reply(ReturnCode.TASK_ABORTED)
         if "reply" not in done:  # answer() turns every Exception into a reply: only a BaseException gets here
             if abort_signal.triggered:
@@ -108,22 +113,31 @@ class SiteExecutor(Executor):
 
     def handle_event(self, event_type: str, fl_ctx: FLContext):
         if event_type == EventType.END_RUN and self._running.is_set():
-            self.log_warning(fl_ctx, "the job ends while the site still computes an aborted task; left to finish")
+            self.log_warning(fl_ctx, "the job ends while the site still computes an aborted task; it stops before "
+                                     "its next training batch")
 
     def _serve(self) -> None:
-        """The worker: the site's tasks one after the other, each answered by ``client.answer``."""
+        """The worker: the site's tasks one after the other, each answered by ``client.answer``; training stops before
+        its next batch once the task's ``abort_signal`` triggers (``stop_when``: ``TaskAborted``)."""
         while True:
             name, task, msg, job_id, abort_signal, done = self._inbox.get()
             try:
                 if not abort_signal.triggered:  # aborted while it waited for the task before it: never begun
                     self._running.set()
-                    done["reply"], self._site = client.answer(name, task, msg, self._site, job_id)
+                    with stop_when(lambda signal=abort_signal: signal.triggered):
+                        done["reply"], self._site = client.answer(name, task, msg, self._site, job_id)
+            except TaskAborted as exc:  # the task was aborted: no reply, nothing of the round saved
+                if exc.site is not None:
+                    self._site = exc.site  # the site made for this task (a later one finds it made)
+                done["stopped"] = type(exc).__name__
+                log.info("site %s: task '%s' (round %s) stopped, aborted: %s; nothing of it is saved", name, task,
+                         msg.current_round, exc)
             except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt, SystemExit: named in execute()
                 done["stopped"] = type(exc).__name__
             finally:
                 self._running.clear()
                 done["finished"].set()
-            msg = done = None  # nothing of the task is held while the worker waits for the next one
+            msg = done = abort_signal = None  # nothing of the task is held while the worker waits for the next one
 
     def _track(self, out, step: int, fl_ctx: FLContext) -> None:
         """The reply's numeric metrics as FLARE analytics events, as the Client API script's ``SummaryWriter``

@@ -93,6 +93,7 @@ class RoundStore:
     def __init__(self, root: str | Path, keep: int = 2, clean: bool = True):
         self.root = Path(root)
         self.keep = keep
+        self._last: tuple[int, tuple | None, dict] | None = None  # (round, file_stamp, payload) of the last save
         if clean:
             self.remove_tmp()
 
@@ -118,11 +119,16 @@ class RoundStore:
     def save(self, round_num: int, payload: dict) -> Path:
         path = self.path(round_num)
         save_file(path, payload)
+        self._last = (round_num, file_stamp(path), cpu_copy(payload))
         for old in self.rounds()[: -self.keep] if self.keep else []:
             self.path(old).unlink(missing_ok=True)
         return path
 
     def load(self, round_num: int) -> dict:
+        """The state of ``round_num``: a copy of what this store saved last when that file is still the one it wrote
+        (same inode, size and time: nobody replaced it), else read from disk (``load_file``)."""
+        if self._last is not None and self._last[0] == round_num and self._last[1] == file_stamp(self.path(round_num)):
+            return cpu_copy(self._last[2])
         return load_file(self.path(round_num))
 
     def clear(self) -> None:
@@ -225,6 +231,28 @@ def fsync_dir(folder: str | Path) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def file_stamp(path: str | Path) -> tuple | None:
+    """``(inode, size, mtime ns)`` of ``path``; None when it does not exist. A write (``save_file``: a new file
+    renamed over the old) changes it."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def cpu_copy(payload):
+    """``payload`` as ``load_file`` would return it after ``save_file``: every tensor copied to the CPU, dicts,
+    lists and tuples rebuilt, everything else as is (numbers, strings)."""
+    if torch.is_tensor(payload):
+        return payload.detach().to("cpu", copy=True)
+    if isinstance(payload, dict):
+        return {k: cpu_copy(v) for k, v in payload.items()}
+    if isinstance(payload, (list, tuple)):
+        return type(payload)(cpu_copy(v) for v in payload)
+    return payload
 
 
 def load_file(path: str | Path) -> dict:

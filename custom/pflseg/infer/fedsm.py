@@ -30,6 +30,10 @@ uint8, the input's shape, affine and header; a PNG/JPEG case -> ``<case>.png``, 
 value = class index: for the ``nested`` label encoding it is the *channel sum* (the number of positive
 channels: fundus 0 = background, 1 = disc rim, 2 = cup); for ``exclusive`` it is c + 1 of the highest positive
 channel c (0 where none).
+
+Mixed precision (``amp``: ``train.amp``): every forward pass (selector, its features, the segmentation models) runs
+under autocast on the models' device and its output is cast to float32 before the softmax, the temperature, the
+distances and the sigmoid (``pflseg.train.evaluate.amp_forward``); off (the default) changes nothing.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from pflseg.algorithms.fedsm import GLOBAL, min_mahalanobis, route, route_extra, selector_view
-from pflseg.train.loop import make_loader
+from pflseg.train.evaluate import amp_forward
+from pflseg.train.loop import amp_dtype, make_loader
 from pflseg.train.predictions import case_dice, case_names, case_sources, write_predictions
 
 #: Key of the FedSM-extra route in the result's ``"super"`` dict.
@@ -73,6 +78,7 @@ def evaluate_super_model(
     temperature: float = 1.0,
     familiarity: dict | None = None,
     familiar_tau: float | None = None,
+    amp: str = "off",
 ) -> dict:
     """Score the FedSM super model (and the global / own personalized model) on one site's data.
 
@@ -104,6 +110,7 @@ def evaluate_super_model(
             when given, every sample's d2_min is computed (``selector.embed`` must exist) and returned.
         familiar_tau: with ``familiarity``: samples with d2_min > tau go to the global model (the fallback);
             None: no fallback.
+        amp: ``train.amp`` (off | bf16 | fp16) of the forward passes (module docstring).
 
     Returns:
         ``{"n_images", "n_cases", "global": {"dice", "dice_per_class", "per_case"},
@@ -148,6 +155,7 @@ def evaluate_super_model(
             raise ValueError(f"familiar_tau must be a number >= 0, got {familiar_tau!r}")
 
     device = torch.device(device)
+    dtype = amp_dtype(amp, device)
     models = {_G: global_model, **dict(enumerate(personalized))}
     for m in (*models.values(), selector):
         m.to(device).eval()
@@ -161,8 +169,10 @@ def evaluate_super_model(
             has_label = _as_bools(batch.get("has_label"), n)
             intensity = batch.get("intensity")
             seen = selector_view(images, intensity.to(device) if intensity is not None else None, selector_input)
-            choices = _route_batch(selector(seen) / float(temperature), all_routes, num_sites, extra)
-            d2 = (min_mahalanobis(selector.embed(seen), familiarity["mean"], familiarity["precision"]).tolist()
+            choices = _route_batch(amp_forward(selector, seen, dtype) / float(temperature), all_routes, num_sites,
+                                   extra)
+            d2 = (min_mahalanobis(amp_forward(selector.embed, seen, dtype), familiarity["mean"],
+                                  familiarity["precision"]).tolist()
                   if familiarity is not None else [None] * n)
             if familiar_tau is not None:  # unfamiliar images: the global model, whatever the selector says
                 far = torch.tensor([v > float(familiar_tau) for v in d2])
@@ -179,7 +189,7 @@ def evaluate_super_model(
                     needed[i].add(int(choices[save_route][i]))
             preds = {}
             for key in sorted(set().union(*needed)):  # only models some sample of the batch needs
-                preds[key] = (torch.sigmoid(models[key](images)) > 0.5).cpu()
+                preds[key] = (torch.sigmoid(amp_forward(models[key], images, dtype)) > 0.5).cpu()
             sites = batch.get("site", [""] * n)
             for i in range(n):
                 samples.append({

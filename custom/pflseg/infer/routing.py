@@ -77,6 +77,14 @@ Per routed method, ``coefficients`` also hold the movement from the start (mean 
 layer, over images and experts; 0 for a refused run, which keeps the start) and the spread of each layer's
 coefficients over the images (0: that layer's router is input-independent, as the first layer's is on
 z-scored images).
+
+Mixed precision (``amp``: ``train.amp``, ``pflseg.train.loop``): every forward pass (the comparators, the routed
+models, Tent, the final losses, the predictions and the coefficients' pass) runs under autocast on the models' device
+and its output is cast to float32 before the sigmoid, so the unsupervised loss, its noise and the predictions are
+computed in float32 (``pflseg.train.evaluate.amp_forward``). The adaptive methods' Adam steps (routing, Tent) scale
+their backward pass with a ``torch.amp.GradScaler`` under fp16 (on CUDA; a new one per run, as the loop's: a step
+whose gradient overflowed is skipped); fp16 off CUDA computes in float32 (``amp_dtype``). Off (the default) changes
+nothing.
 """
 
 from __future__ import annotations
@@ -104,7 +112,8 @@ from pflseg.algorithms.routing import (
     unsupervised_loss,
     use_batch_stats,
 )
-from pflseg.train.loop import Hooks, make_loader, seed_everything, train_epochs
+from pflseg.train.evaluate import amp_forward, amp_model
+from pflseg.train.loop import Hooks, amp_dtype, make_loader, seed_everything, train_epochs
 from pflseg.train.predictions import case_dice, case_names, case_sources, write_predictions
 
 #: every method :func:`route_site` scores, in table order, with its normalisation treatment (module docstring)
@@ -127,6 +136,7 @@ class StaticComparators(nn.Module):
     Args:
         experts: [P_1, ..., P_K, w_g], one architecture (image (B, C_in, H, W) -> logits (B, C, H, W)). They are
             held, not copied (``.to`` and ``.eval`` apply to them); the batch-statistics versions are copies.
+        amp: ``train.amp`` of the forward passes (module docstring).
 
     ``forward(images)``: images (B, C_in, H, W) -> {method: (B, C, H, W) sigmoid probabilities} for ``global``,
     ``average``, ``ensemble`` (running statistics) and ``global_bn``, ``average_bn``, ``ensemble_bn`` (the
@@ -136,8 +146,9 @@ class StaticComparators(nn.Module):
 
     NAMES = ("global", "average", "ensemble", "global_bn", "average_bn", "ensemble_bn")
 
-    def __init__(self, experts: Sequence[nn.Module]):
+    def __init__(self, experts: Sequence[nn.Module], amp: str = "off"):
         super().__init__()
+        self.amp = amp
         average = copy.deepcopy(experts[-1])
         average.load_state_dict(average_states([m.state_dict() for m in experts]))
         self.running = nn.ModuleList([*experts, average])
@@ -147,8 +158,9 @@ class StaticComparators(nn.Module):
     @torch.no_grad()
     def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         out = {}
+        dtype = amp_dtype(self.amp, images.device)
         for suffix, models in (("", self.running), ("_bn", self.batch)):
-            probs = [torch.sigmoid(m(images)) for m in models]  # P_1..P_K, w_g, average
+            probs = [torch.sigmoid(amp_forward(m, images, dtype)) for m in models]  # P_1..P_K, w_g, average
             out[f"global{suffix}"], out[f"average{suffix}"] = probs[-2], probs[-1]
             out[f"ensemble{suffix}"] = torch.stack(probs[:-1]).mean(0)
             out.update({f"expert{e}{suffix}": p for e, p in enumerate(probs[:-1])})
@@ -203,10 +215,11 @@ class _Steps:
 
 
 def adapt(model: nn.Module, params: list, dataset: Dataset, device, weights: dict, cfg: dict, seed: int,
-          lr: float, steps: int) -> dict:
+          lr: float, steps: int, amp: str = "off") -> dict:
     """Adam (``lr``) on ``params`` for ``steps`` optimizer steps of the unsupervised loss over ``dataset``, in
     batches of ``cfg["batch_size"]`` in a shuffled order seeded by ``seed``, pass after pass (the one training
-    loop with a custom step). Each step predicts with the forward pass before its update.
+    loop with a custom step). Each step predicts with the forward pass before its update. ``amp``: ``train.amp``
+    (module docstring; fp16 on CUDA: a gradient scaler).
 
     Returns:
         {"best": per-sample lowest-loss predictions ((C, H, W) bool each), "seconds", "steps", "visits":
@@ -215,15 +228,22 @@ def adapt(model: nn.Module, params: list, dataset: Dataset, device, weights: dic
     optimizer = torch.optim.Adam(params, lr=lr)
     best = BestPredictions()
     visits = 0
+    dtype = amp_dtype(amp, device)
+    scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
 
     def step(m, batch, opt, _):
         nonlocal visits
         opt.zero_grad(set_to_none=True)
-        loss, probs = unsupervised_loss(m, batch["image"], weights, cfg["noise_std"], cfg["rot_flip"],
-                                        cfg["shape_radius"])
+        loss, probs = unsupervised_loss(amp_model(m, dtype), batch["image"], weights, cfg["noise_std"],
+                                        cfg["rot_flip"], cfg["shape_radius"])
         best.update([_key(batch, i) for i in range(len(batch["case"]))], loss, probs > 0.5)
-        loss.mean().backward()
-        opt.step()
+        if scaler is not None:
+            scaler.scale(loss.mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.mean().backward()
+            opt.step()
         visits += len(batch["case"])
         return float(loss.mean().detach())
 
@@ -236,12 +256,13 @@ def adapt(model: nn.Module, params: list, dataset: Dataset, device, weights: dic
 
 @torch.no_grad()
 def final_loss(model: nn.Module, dataset: Dataset, device, weights: dict, cfg: dict, seed: int,
-               reference: dict | None = None) -> tuple[float, float, float | None]:
+               reference: dict | None = None, amp: str = "off") -> tuple[float, float, float | None]:
     """Mean per-sample unsupervised loss of ``model`` (eval mode) over ``dataset``: one pass in the seeded
     shuffled batches of ``cfg["batch_size"]``, the noise seeded by ``seed`` (the same for every model).
 
     Args:
         reference: {sample key: (C, H, W) bool} (:func:`predict` of the starting model in the same batches), or None.
+        amp: ``train.amp`` of the forward passes (module docstring).
     Returns:
         (the loss, the fraction of pixels predicted foreground: a label-free sign of a collapse, and the agreement
         with ``reference``: the Dice of the two predicted foregrounds pooled over every pixel of the site, 1.0 when
@@ -249,11 +270,12 @@ def final_loss(model: nn.Module, dataset: Dataset, device, weights: dict, cfg: d
     """
     was_training = model.training
     model.eval()
+    forward = amp_model(model, amp_dtype(amp, device))
     seed_everything(seed)
     total, count, foreground, overlap, sizes = 0.0, 0, 0.0, 0.0, 0.0
     try:
         for batch in make_loader(dataset, cfg["batch_size"], shuffle=True, seed=seed):
-            loss, probs = unsupervised_loss(model, batch["image"].to(device), weights, cfg["noise_std"],
+            loss, probs = unsupervised_loss(forward, batch["image"].to(device), weights, cfg["noise_std"],
                                             cfg["rot_flip"], cfg["shape_radius"])
             total += float(loss.double().sum())
             pred = (probs > 0.5).cpu()
@@ -310,7 +332,7 @@ def _trainable(routed: nn.Module, norm_affine: bool) -> list:
 
 
 def route_with_lr(build, dataset: Dataset, device, weights: dict, cfg: dict, seed: int, start_foreground: float,
-                  reference: dict | None = None) -> tuple[nn.Module, dict]:
+                  reference: dict | None = None, amp: str = "off") -> tuple[nn.Module, dict]:
     """Adapt the routed model ``build()`` makes at the rate :func:`choose_lr` picks from the grid (module
     docstring), or at the one rate, under the collapse guard of ``lr_guard`` (:func:`settings`): the whole run
     at that rate is refused when its final foreground :func:`departs` from ``start_foreground`` (the starting
@@ -320,6 +342,7 @@ def route_with_lr(build, dataset: Dataset, device, weights: dict, cfg: dict, see
     Args:
         start_foreground: the starting model's predicted foreground fraction (:func:`final_loss`).
         reference: the starting model's :func:`predict` (the agreement diagnostic), or None.
+        amp: ``train.amp`` of the runs and their final losses (module docstring).
 
     Returns:
         (the adapted model, or the starting model when refused, {"best", "seconds" (trials included), "steps",
@@ -335,9 +358,9 @@ def route_with_lr(build, dataset: Dataset, device, weights: dict, cfg: dict, see
     def run(lr, n):
         seed_everything(seed)
         model = build().to(device)
-        out = adapt(model, _trainable(model, s["norm_affine"]), dataset, device, weights, cfg, seed, lr, n)
+        out = adapt(model, _trainable(model, s["norm_affine"]), dataset, device, weights, cfg, seed, lr, n, amp)
         out["final_loss"], out["foreground"], out["agreement"] = final_loss(model, dataset, device, weights, cfg, seed,
-                                                                            reference)
+                                                                            reference, amp)
         return model, out
 
     def trial(lr):
@@ -368,13 +391,13 @@ def route_with_lr(build, dataset: Dataset, device, weights: dict, cfg: dict, see
 
 
 def tent(model: nn.Module, dataset: Dataset, device, cfg: dict, seed: int,
-         steps: int | None = None) -> dict | None:
+         steps: int | None = None, amp: str = "off") -> dict | None:
     """Tent (Wang et al., ICLR 2021) on ``model``, in place: batch statistics, only the normalisation layers'
     affine parameters trainable, Adam (``cfg["lr"]``) on the batch-mean binary entropy of the sigmoid outputs.
 
     ``steps=None`` is standard online Tent (``tent``): one pass over ``dataset`` in the seeded shuffled order
     of :func:`adapt`, each batch predicted before its own update. More steps (``tent_epochs``: the routing
-    budget) keep per sample its lowest-entropy prediction.
+    budget) keep per sample its lowest-entropy prediction. ``amp``: ``train.amp`` (module docstring, :func:`adapt`).
 
     Returns:
         As :func:`adapt`; None when the network's normalisation layers have no affine parameter.
@@ -386,19 +409,20 @@ def tent(model: nn.Module, dataset: Dataset, device, cfg: dict, seed: int,
     for p in params:
         p.requires_grad_(True)
     steps = steps or math.ceil(len(dataset) / cfg["batch_size"])
-    return adapt(model.to(device), params, dataset, device, {"ent": 1.0}, cfg, seed, cfg["lr"], steps)
+    return adapt(model.to(device), params, dataset, device, {"ent": 1.0}, cfg, seed, cfg["lr"], steps, amp)
 
 
 @torch.no_grad()
-def predict(model: nn.Module, dataset: Dataset, device, batch_size: int, seed: int) -> dict:
+def predict(model: nn.Module, dataset: Dataset, device, batch_size: int, seed: int, amp: str = "off") -> dict:
     """{sample key: (C, H, W) bool} of ``model`` (eval mode) in the seeded shuffled batches (batch statistics
-    depend on them)."""
+    depend on them); ``amp``: ``train.amp`` of the forward passes (module docstring)."""
     was_training = model.training
     model.eval()
+    dtype = amp_dtype(amp, device)
     out = {}
     try:
         for batch in make_loader(dataset, batch_size, shuffle=True, seed=seed):
-            probs = torch.sigmoid(model(batch["image"].to(device)))
+            probs = torch.sigmoid(amp_forward(model, batch["image"].to(device), dtype))
             out.update({_key(batch, i): probs[i].cpu() > 0.5 for i in range(probs.shape[0])})
     finally:
         model.train(was_training)
@@ -406,9 +430,11 @@ def predict(model: nn.Module, dataset: Dataset, device, batch_size: int, seed: i
 
 
 @torch.no_grad()
-def sample_coefficients(routed: nn.Module, dataset: Dataset, device, batch_size: int = 32) -> list[torch.Tensor]:
+def sample_coefficients(routed: nn.Module, dataset: Dataset, device, batch_size: int = 32,
+                        amp: str = "off") -> list[torch.Tensor]:
     """The routing coefficients of every routed layer (forward order) for every image of ``dataset`` (in its
-    order), routed in eval mode: [(N, E) float64 per layer], experts in order (P_1..P_K, w_g)."""
+    order), routed in eval mode: [(N, E) float64 per layer], experts in order (P_1..P_K, w_g). ``amp``: ``train.amp``
+    of the forward passes (module docstring): the coefficients as the routed model computes them under it."""
     layers = [m for m in routed.modules() if isinstance(m, RoutedConv)]
     rows: list[list] = [[] for _ in layers]
 
@@ -419,10 +445,11 @@ def sample_coefficients(routed: nn.Module, dataset: Dataset, device, batch_size:
 
     was_training = routed.training
     routed.eval()
+    dtype = amp_dtype(amp, device)
     handles = [layer.register_forward_pre_hook(hook(i)) for i, layer in enumerate(layers)]
     try:
         for batch in make_loader(dataset, batch_size, shuffle=False):
-            routed(batch["image"].to(device))
+            amp_forward(routed, batch["image"].to(device), dtype)
     finally:
         for h in handles:
             h.remove()
@@ -431,16 +458,16 @@ def sample_coefficients(routed: nn.Module, dataset: Dataset, device, batch_size:
 
 
 def mean_coefficients(routed: nn.Module, dataset: Dataset, device, batch_size: int = 32,
-                      start: list[torch.Tensor] | None = None) -> dict:
+                      start: list[torch.Tensor] | None = None, amp: str = "off") -> dict:
     """What a routed model learned to mix, over the site's images, in expert order (P_1..P_K, w_g).
 
     Returns:
         {"layers": [[E floats] mean per layer, forward order], "mean": [E floats] over the layers, "spread":
         [per layer: std over the images, mean over the experts]} and, given ``start`` (the
         :func:`sample_coefficients` of the model before adaptation), "movement": [per layer: mean over images
-        and experts of |coef - coef_0|] and "movement_mean" (over the layers).
+        and experts of |coef - coef_0|] and "movement_mean" (over the layers). ``amp``: as :func:`sample_coefficients`.
     """
-    coefs = sample_coefficients(routed, dataset, device, batch_size)
+    coefs = sample_coefficients(routed, dataset, device, batch_size, amp)
     out = {"layers": [c.mean(0).tolist() for c in coefs],
            "mean": torch.stack([c.mean(0) for c in coefs]).mean(0).tolist(),
            "spread": [float(c.std(0, unbiased=False).mean()) for c in coefs]}
@@ -452,7 +479,7 @@ def mean_coefficients(routed: nn.Module, dataset: Dataset, device, batch_size: i
 
 def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Dataset, device, cfg: dict, seed: int = 0,
                out_dir: str | Path | None = None, label_encoding: str = "nested", comparators: bool | list = True,
-               batch_size: int = 32) -> dict:
+               batch_size: int = 32, amp: str = "off") -> dict:
     """Route ``dataset`` through the bundle and score every method (see the module docstring).
 
     Args:
@@ -466,6 +493,7 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
         out_dir: where the routing predictions are written (one file per case).
         comparators: True: score every method of ``METHODS``; False: routing only; a list: routing and these.
         batch_size: batch of :func:`mean_coefficients` (no gradient).
+        amp: ``train.amp`` (off | bf16 | fp16) of every method's forward passes (module docstring).
 
     Returns:
         {"n_images", "n_cases", "methods": {name: {"dice", "dice_per_class", "per_case", "seconds"}},
@@ -491,7 +519,7 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
     seconds: dict[str, float] = {}
 
     # one pass in the adaptive methods' batches: labels, and the non-adaptive comparators in both treatments
-    static = StaticComparators(all_experts).to(device) if set(methods) & set(StaticComparators.NAMES) else None
+    static = StaticComparators(all_experts, amp).to(device) if set(methods) & set(StaticComparators.NAMES) else None
     samples: dict[tuple, dict] = {}
     t0 = time.time()
     for batch in make_loader(dataset, cfg["batch_size"], shuffle=True, seed=seed):
@@ -515,17 +543,17 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
 
         seed_everything(seed)
         start = build().to(device)  # the routers' common start (one init for every rate)
-        coef_0 = sample_coefficients(start, dataset, device, batch_size)
-        start_loss, start_foreground, _ = final_loss(start, dataset, device, weights, cfg, seed)
-        start_preds = predict(start, dataset, device, cfg["batch_size"], seed)
+        coef_0 = sample_coefficients(start, dataset, device, batch_size, amp)
+        start_loss, start_foreground, _ = final_loss(start, dataset, device, weights, cfg, seed, amp=amp)
+        start_preds = predict(start, dataset, device, cfg["batch_size"], seed, amp)
         if name == "routing":
             preds["routing_step0"] = start_preds
         del start
-        routed, run = route_with_lr(build, dataset, device, weights, cfg, seed, start_foreground, start_preds)
+        routed, run = route_with_lr(build, dataset, device, weights, cfg, seed, start_foreground, start_preds, amp)
         preds[name] = start_preds if run["refused"] else run["best"].pred  # refused: the starting model's
         seconds[name] = run["seconds"]
         kept_seconds[name] = run["run_seconds"] / run["visits"]
-        coefficients[name] = mean_coefficients(routed, dataset, device, batch_size, start=coef_0)
+        coefficients[name] = mean_coefficients(routed, dataset, device, batch_size, start=coef_0, amp=amp)
         adaptation[name] = {"lr": run["lr"], "lr_grid": run["lr_grid"], "steps": run["steps"],
                             "start_loss": start_loss, "final_loss": run["final_loss"],
                             "start_foreground": start_foreground, "foreground": run["foreground"],
@@ -533,7 +561,7 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
     tent_note = None
     tent_steps = {"tent": None, "tent_epochs": steps}
     for name in [m for m in methods if m in tent_steps]:
-        adapted = tent(copy.deepcopy(global_model), dataset, device, cfg, seed, tent_steps[name])
+        adapted = tent(copy.deepcopy(global_model), dataset, device, cfg, seed, tent_steps[name], amp)
         if adapted is None:
             tent_note = "the network's normalisation layers have no affine parameters: Tent has nothing to adapt"
             methods.remove(name)

@@ -16,13 +16,16 @@ before it is evaluated: the "statistics" part of a personalization gain, without
 
 ``amp`` and ``channels_last`` (``train.amp``, ``train.channels_last``; ``pflseg.train.loop``) apply to the forward
 passes here as in training: autocast on the model's device, logits cast to float32 before the sigmoid, so every
-metric is computed in float32; off (the default) changes nothing.
+metric is computed in float32; off (the default) changes nothing. ``amp_forward`` is that rule for one forward pass,
+for the paths that score or adapt a model elsewhere (FedSM's selector and super model, IOP-FL's routing and Tent,
+overlays).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 from monai.metrics import DiceMetric, compute_average_surface_distance, compute_hausdorff_distance, compute_iou
@@ -30,6 +33,28 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from pflseg.train.loop import amp_dtype, autocast, image_to, make_loader, memory_format
+
+
+def amp_forward(model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                dtype: torch.dtype | None) -> torch.Tensor:
+    """``model(x)`` with the forward pass under autocast in ``dtype`` (``pflseg.train.loop.amp_dtype`` of ``train.amp``)
+    on ``x``'s device and its output cast to float32 outside autocast: what follows (sigmoid, softmax, losses,
+    statistics) computes in float32. ``dtype`` None (amp off, or fp16 off CUDA): ``model(x)`` as it is, nothing added.
+
+    ``model`` is any callable of one tensor (a module, ``selector.embed``)."""
+    if dtype is None:
+        return model(x)
+    with autocast(dtype, x.device):
+        out = model(x)
+    return out.float()
+
+
+def amp_model(model: Callable[[torch.Tensor], torch.Tensor],
+              dtype: torch.dtype | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``model`` whose calls go through ``amp_forward`` in ``dtype``; ``model`` itself for None."""
+    if dtype is None:
+        return model
+    return lambda x: amp_forward(model, x, dtype)
 
 
 @torch.no_grad()

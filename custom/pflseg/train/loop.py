@@ -19,11 +19,19 @@ of plain float32 training: results bit for bit as without them):
   loop runs; the model is back in the contiguous format afterwards (its state dict as always).
 - On CUDA, batches come from pinned memory (``make_loader(device=...)``) and are copied without blocking.
 - ``peak_gpu_memory``: the device's peak allocated bytes, reported by ``train_epochs`` (None on a CPU).
+
+Stopping an aborted task: ``with stop_when(condition):`` around a site's task (``pflseg.flare.executor.SiteExecutor``
+sets ``abort_signal.triggered`` in its worker thread) makes ``train_epochs`` look at ``condition()`` before every
+batch and raise ``TaskAborted`` once it holds: the task stops within a batch, its model and optimizer left mid-way
+(its caller saves nothing of them). The condition belongs to the thread (a context variable, looked up once per
+``train_epochs`` call, then called before every batch): nothing else changes where none is set (scripts, tests,
+the Client API route), and no torch operation or random number is added to the loop.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import logging
 import os
@@ -42,6 +50,32 @@ log = logging.getLogger("pflseg.train")
 
 #: ``train.amp`` (``pflseg.config.AMP_MODES``) -> the dtype autocast runs its lower-precision ops in (None: float32)
 AMP_DTYPES: dict[str, torch.dtype | None] = dict(zip(AMP_MODES, (None, torch.bfloat16, torch.float16)))
+
+
+#: the running task's stop condition in this thread (``stop_when``); None: none
+_STOP: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar("pflseg_stop", default=None)
+
+
+class TaskAborted(BaseException):
+    """``train_epochs`` stopped because the task's stop condition (``stop_when``) held: the task was aborted.
+
+    A ``BaseException`` (as ``KeyboardInterrupt``), so that no ``except Exception`` on the way turns it into an error
+    reply or a result: ``pflseg.flare.client.answer`` lets it through, the round skeleton saves no state and sends no
+    reply (``Site.run_round`` saves after the method's step only). ``site``: the site object of the task, set by
+    ``client.answer`` (kept for the next task)."""
+
+    site: object | None = None
+
+
+@contextlib.contextmanager
+def stop_when(condition: Callable[[], bool] | None):
+    """Inside the block, in this thread, ``train_epochs`` raises ``TaskAborted`` before a batch once ``condition()``
+    is true (e.g. ``lambda: abort_signal.triggered``: cheap, it is read before every batch). None: no condition."""
+    token = _STOP.set(condition)
+    try:
+        yield
+    finally:
+        _STOP.reset(token)
 
 
 @dataclass
@@ -235,6 +269,10 @@ def train_epochs(
         amp: ``train.amp`` (module docstring, ``amp_dtype``): off | bf16 | fp16.
         channels_last: ``train.channels_last``: model and images in channels-last memory format while training.
 
+    Raises:
+        TaskAborted: before a batch, once the stop condition of the thread (``stop_when``) holds; the model and the
+            optimizer are then left as the batches before it made them.
+
     Returns:
         ``{"loss": mean batch loss, "steps": batches trained on (with fp16 the scaler may skip the optimizer step of
         a batch whose gradient overflowed), "samples": samples seen per epoch, "peak_gpu_bytes": peak_gpu_memory of
@@ -253,10 +291,14 @@ def train_epochs(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model.to(device).train()
+    stop = _STOP.get()
     total, steps = 0.0, 0
     with memory_format(model, channels_last):
         for epoch in range(epochs):
             for batch in loader:
+                if stop is not None and stop():
+                    raise TaskAborted(f"training stopped after {steps} batch(es), in epoch {epoch + 1} of {epochs}: "
+                                      "the task was aborted")
                 batch = to_device(batch, device, channels_last)
                 if hooks.step is not None:
                     with autocast(dtype, device):

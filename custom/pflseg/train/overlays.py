@@ -5,6 +5,9 @@ A volume shows the slice with the most ground-truth foreground. Each class has i
 the ground-truth and the prediction panel (for nested labels, e.g. disc and cup, the inner class is drawn
 over the outer one). Drawn with PIL (a core dependency), so every site can make them. They show patients: the
 folder is ``0700``, every file ``0600`` (``pflseg.train.predictions.private_dir`` / ``private_file``).
+
+The forward passes follow ``train.amp`` (``amp``) as evaluation does (``pflseg.train.evaluate.amp_forward``): autocast
+on the model's device, the logits cast to float32 before the sigmoid; off (the default) changes nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
+from pflseg.train.evaluate import amp_forward
+from pflseg.train.loop import amp_dtype
 from pflseg.train.predictions import private_dir, private_file
 
 #: class colours (RGB), cycled
@@ -79,7 +84,7 @@ def _safe(text: str) -> str:
 
 @torch.no_grad()
 def write_overlays(model: torch.nn.Module, dataset, device: torch.device, out_dir: str | Path,
-                   per_case: dict[str, list[float]], site: str = "", n: int = 2) -> list[Path]:
+                   per_case: dict[str, list[float]], site: str = "", n: int = 2, amp: str = "off") -> list[Path]:
     """Write ``<out_dir>/<worst|best>-<k>_<case>.png`` for the ``n`` worst and ``n`` best cases of
     ``per_case`` (case -> Dice per class, as :func:`pflseg.train.evaluate.evaluate` returns it), replacing
     the folder's earlier overlays.
@@ -88,6 +93,7 @@ def write_overlays(model: torch.nn.Module, dataset, device: torch.device, out_di
         model: The model whose predictions are drawn (its logits, sigmoid > 0.5 per class).
         dataset: The split's 2D samples (``image`` (C, H, W), ``label``, ``case``).
         per_case: Per-case Dice of ``model`` on ``dataset``.
+        amp: ``train.amp`` (off | bf16 | fp16) of the forward passes (module docstring).
 
     Returns:
         The paths written, worst first.
@@ -106,11 +112,12 @@ def write_overlays(model: torch.nn.Module, dataset, device: torch.device, out_di
             depth[case] = depth.get(case, 0) + 1
             if case not in slices or item["label"].sum() > slices[case]["label"].sum():
                 slices[case] = item
+    dtype = amp_dtype(amp, device)
     model.to(device).eval()
     paths = []
     for tag, case, dice in chosen:
         item = slices[case]
-        pred = (torch.sigmoid(model(item["image"][None].to(device))) > 0.5)[0].cpu()
+        pred = (torch.sigmoid(amp_forward(model, item["image"][None].to(device), dtype)) > 0.5)[0].cpu()
         where = f" slice {int(item['slice'])}" if depth[case] > 1 else ""
         title = f"{site} {case}{where}: Dice {dice:.3f} ({tag})"
         path = out_dir / f"{tag}_{_safe(case)}.png"

@@ -20,6 +20,25 @@ def test_round_store_keeps_last_rounds_and_roundtrips(tmp_path):
     assert torch.equal(store.load(3)["w"], torch.full((2,), 3.0))
 
 
+def test_the_last_saved_round_is_read_back_from_memory_only_while_its_file_is_unchanged(tmp_path):
+    """RoundStore.load of the round just saved returns a copy of it (what torch.load would give: CPU tensors, equal
+    values), not the object saved and not one the caller's changes reach; a file replaced or cut short since is read
+    from disk (and a cut one is the StateError it is)."""
+    store = RoundStore(tmp_path)
+    saved = {"round": 1, "w": torch.arange(4.0), "optim": {"state": {0: {"step": torch.tensor(3.0)}}, "lr": [0.1]}}
+    store.save(1, saved)
+    first = store.load(1)
+    assert torch.equal(first["w"], saved["w"]) and first["w"] is not saved["w"] and first["optim"]["lr"] == [0.1]
+    first["w"].add_(1)
+    saved["w"].add_(10)
+    assert torch.equal(store.load(1)["w"], torch.arange(4.0)), "the copy is isolated from both sides"
+    save_file(store.path(1), {"round": 1, "w": torch.zeros(4)})  # another writer (a new file renamed over it)
+    assert torch.equal(store.load(1)["w"], torch.zeros(4))
+    store.path(1).write_bytes(store.path(1).read_bytes()[:50])
+    with pytest.raises(StateError, match="round_0001.pt"):
+        store.load(1)
+
+
 def test_corrupt_file_is_detected_and_named(tmp_path):
     path = tmp_path / "round_0001.pt"
     save_file(path, {"w": torch.ones(1000)})

@@ -46,7 +46,17 @@ from pflseg.algorithms.dp import floor_at, privatize
 from pflseg.data import DataError, load_dataset_info, pooled_dataset, site_dataset
 from pflseg.flare.privacy import Pseudonyms, public_error, public_metrics, write_local_log
 from pflseg.flare.settings import resolve_data, site_settings
-from pflseg.flare.state import RoundStore, StateError, claim, load_file, prefixed, save_file, state_dir, unprefixed
+from pflseg.flare.state import (
+    RoundStore,
+    StateError,
+    claim,
+    file_stamp,
+    load_file,
+    prefixed,
+    save_file,
+    state_dir,
+    unprefixed,
+)
 from pflseg.nets import build_net
 from pflseg.train import (
     Hooks,
@@ -130,6 +140,7 @@ class Site:
                 log.info("site %s: job %s starts afresh; the earlier job's state is now in %s", name, job_id, moved)
         self.store = RoundStore(folder)
         self.best_path = self.store.root / "best.pt"
+        self._best: tuple = (None, None)  # (file_stamp, score) of best.pt as this site last read or wrote it
         self.pseudonyms = Pseudonyms(self.store.root.parent)
         self._told: set = set()  # fall-backs already named in the log
         self.net = build_net(cfg["net"])
@@ -286,10 +297,21 @@ class Site:
         """Validation metrics of ``model``; it becomes the site's best model (``best.pt``: ``best_state``) if it
         scores higher."""
         metrics = self.evaluate(model)
-        best = load_file(self.best_path) if self.best_path.is_file() else None
-        if best is None or metrics["dice"] > best["score"]:
+        best = self.best_score()
+        if best is None or metrics["dice"] > best:
             save_file(self.best_path, {"round": round_num, "score": metrics["dice"], **self.best_state(model)})
+            self._best = (file_stamp(self.best_path), metrics["dice"])
         return metrics
+
+    def best_score(self) -> float | None:
+        """The validation Dice ``best.pt`` holds (None: no best model yet); read from the file only when it is not
+        the one this site last read or wrote."""
+        stamp = file_stamp(self.best_path)
+        if stamp is None:
+            return None
+        if self._best[0] != stamp:
+            self._best = (stamp, load_file(self.best_path)["score"])
+        return self._best[1]
 
     def best_state(self, model) -> dict:
         """What ``best.pt`` keeps of ``model`` besides its round and score: its weights (``model.``)."""
@@ -472,7 +494,7 @@ class Site:
         into ``<state>/overlays/``; returns the paths. A failure is logged, never fatal to the test task."""
         try:
             return write_overlays(model, self.data("testing"), self.device, self.store.root / "overlays",
-                                  scored["per_case"], site=self.name)
+                                  scored["per_case"], site=self.name, amp=self.cfg["train"]["amp"])
         except Exception as exc:  # noqa: BLE001 - the test metrics matter more than the pictures
             logging.getLogger("pflseg.site").warning("site %s: no overlays written (%s: %s)", self.name,
                                                      type(exc).__name__, exc)

@@ -22,6 +22,16 @@ precision (``familiar.mean`` / ``familiar.precision``): an inside site then also
 d2_min (``validation_d2_min``, one scalar per image: the server sets the threshold tau from them); an outside
 site, which receives tau (meta ``familiar_tau``), sends the super model with the fallback (``super``) and
 without it (``super_nofallback``) and how many of its images fell back (``fallback``).
+
+Mixed precision (``train.amp``, ``pflseg.train.loop``): besides the segmentation models' training and evaluation
+(the loop's), every forward pass of the selector (scoring, its features, its fit) and of FedSM-extra's candidate models
+runs under autocast on the site's device, its output cast to float32 before the softmax, the cross-entropy, the
+segmentation loss and the statistics (``pflseg.train.evaluate.amp_forward``); the super model's inference too
+(``pflseg.infer.fedsm``). The selector's per-batch Adam steps (softmax, batch) scale their backward pass with a
+``torch.amp.GradScaler`` under fp16 (on CUDA; a new one per round, as the loop's). The epoch-mode gradient is sent
+as it is, with no optimizer step to skip where a scaled gradient overflowed: fp16 with ``selector_fit: softmax``,
+``selector_steps: epoch`` is refused on every device (ConfigError), as the loop refuses a method's own step. Off (the
+default) changes nothing.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from pflseg.algorithms.fedsm import (
     selector_view,
     unflatten_optimizer_state,
 )
+from pflseg.config import ConfigError
 from pflseg.data import load_dataset_info
 from pflseg.flare.sites.base import Site, Step, cpu_state
 from pflseg.flare.state import prefixed, unprefixed
@@ -48,6 +59,22 @@ from pflseg.infer.fedsm import evaluate_super_model
 from pflseg.nets import build_net
 from pflseg.nets.selector import build_selector, selector_cfg
 from pflseg.train import Hooks, build_loss, build_optimizer, make_loader, train_epochs
+from pflseg.train.evaluate import amp_forward
+from pflseg.train.loop import amp_dtype
+
+
+class _AmpSelector:
+    """``selector`` for ``selector_gradient``: its calls through ``amp_forward`` in ``dtype``, every other attribute
+    (``zero_grad``, ``named_parameters``) the selector's own."""
+
+    def __init__(self, selector: torch.nn.Module, dtype: torch.dtype):
+        self.selector, self.dtype = selector, dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return amp_forward(self.selector, x, self.dtype)
+
+    def __getattr__(self, name: str):
+        return getattr(self.selector, name)
 
 
 class FedSMSite(Site):
@@ -66,6 +93,7 @@ class FedSMSite(Site):
     def step(self, received: FLModel, prev: dict, seed: int) -> Step:
         """Train the global model and this site's personalized model; score the received selector and send this
         site's part of its fit (label k); keep both models' optimizer states."""
+        self.check_selector_amp()
         r, params = received.current_round, received.params
         person = self.personalized_model(params)
         val_p = self.track(person, r)  # the site's own best model is its personalized one
@@ -83,6 +111,20 @@ class FedSMSite(Site):
         metrics = {"val_dice": val_g["dice"], "val_dice_person": val_p["dice"], "train_loss": stats["loss"],
                    **scored, **sel_metrics, "n_samples": stats["samples"], "steps": stats["steps"]}
         return Step(send, {"optim.global": optim_g, "optim.person": optim_p}, metrics, stats["samples"])
+
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The autocast dtype of ``train.amp`` on the site's device (``pflseg.train.loop.amp_dtype``)."""
+        return amp_dtype(self.cfg["train"]["amp"], self.device)
+
+    def check_selector_amp(self) -> None:
+        """fp16 with the epoch-mode selector gradient: refused on every device (module docstring), before any work."""
+        fedsm = self.cfg["fedsm"]
+        if self.cfg["train"]["amp"] == "fp16" and fedsm["selector_fit"] == "softmax" \
+                and fedsm["selector_steps"] == "epoch":
+            raise ConfigError("train.amp=fp16 needs a gradient scaler around each backward pass, and FedSM's "
+                              "epoch-mode selector gradient (fedsm.selector_fit: softmax, selector_steps: epoch) is "
+                              "sent unscaled, without an optimizer step to skip; use train.amp: bf16 (or off), or "
+                              "fedsm.selector_steps: batch, or fedsm.selector_fit: lda")
 
     def site_labels(self, label: int):
         """FedSM's selector labels of a batch of this site: ``label`` (its index k) for every sample."""
@@ -111,9 +153,11 @@ class FedSMSite(Site):
         locally trained one (``local``: ``selector_val_acc_local``; with one label per site it is trivially
         high, so it says nothing about routing)."""
         selector.to(self.device).eval()
+        dtype = self.autocast_dtype()
         right, total, nll = 0, 0, torch.zeros(len(TEMPERATURES), dtype=torch.float64)
         for batch in self.batches("validation"):
-            logits, labels = selector(self.selector_input(batch)).float().cpu(), labels_of(batch).cpu()
+            logits = amp_forward(selector, self.selector_input(batch), dtype).float().cpu()
+            labels = labels_of(batch).cpu()
             right += int((logits.argmax(1) == labels).sum())
             total += labels.shape[0]
             nll += nll_at_temperatures(logits, labels)
@@ -130,9 +174,11 @@ class FedSMSite(Site):
         if fedsm["selector_fit"] == "lda":
             return self.selector_statistics(selector, labels_of)
         if fedsm["selector_steps"] == "epoch":
+            self.check_selector_amp()
             selector.train()
+            dtype = self.autocast_dtype()
             pairs = ((self.selector_input(b), labels_of(b)) for b in self.batches("training"))
-            grads, loss = selector_gradient(selector, pairs)
+            grads, loss = selector_gradient(selector if dtype is None else _AmpSelector(selector, dtype), pairs)
             return prefixed("grad", grads), {"selector_loss": loss / len(self.data("training"))}
         return self.train_selector_batches(selector, labels_of, msg, seed)
 
@@ -140,20 +186,25 @@ class FedSMSite(Site):
     def selector_statistics(self, selector, labels_of) -> tuple[dict, dict]:
         """lda: ``class_statistics`` of the selector's features (``Selector.embed``) of the training images."""
         selector.eval()
+        dtype = self.autocast_dtype()
         classes = selector.classifier.out_features
         stats, ce, n = [], 0.0, 0
         for batch in self.batches("training"):
-            features, labels = selector.embed(self.selector_input(batch)), labels_of(batch)
+            features, labels = amp_forward(selector.embed, self.selector_input(batch), dtype), labels_of(batch)
             stats.append(class_statistics(features, labels, classes))
-            logits = selector.classifier(features)
+            logits = amp_forward(selector.classifier, features, dtype)
             ce += float(torch.nn.functional.cross_entropy(logits, labels.to(features.device), reduction="sum"))
             n += labels.shape[0]
         return prefixed("stats", add_statistics(stats)), {"selector_loss": ce / max(n, 1)}
 
     def train_selector_batches(self, selector, labels_of, msg: FLModel, seed: int) -> tuple[dict, dict]:
         """softmax, batch (paper): ``fedsm.selector_epochs`` epochs of per-batch Adam on cross-entropy against
-        ``labels_of(batch)``, Adam moments from the server's average; returns the selector and its moments."""
+        ``labels_of(batch)``, Adam moments from the server's average; returns the selector and its moments. Under
+        ``train.amp`` the forward pass runs under autocast, the cross-entropy in float32, and with fp16 (CUDA) the
+        backward pass is scaled by a ``GradScaler`` (module docstring)."""
         cfg = self.cfg
+        dtype = self.autocast_dtype()
+        scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
         moments = unprefixed("moment", msg.params)
         optimizer = build_optimizer(selector, self.device, cfg["fedsm"]["selector_lr"])
         if moments:
@@ -162,9 +213,14 @@ class FedSMSite(Site):
 
         def step(model, batch, opt, _):
             opt.zero_grad(set_to_none=True)
-            loss = ce(model(self.selector_input(batch)), labels_of(batch).to(batch["image"].device))
-            loss.backward()
-            opt.step()
+            loss = ce(amp_forward(model, self.selector_input(batch), dtype), labels_of(batch).to(batch["image"].device))
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
             return float(loss.detach())
 
         loader = make_loader(self.data("training"), cfg["train"]["batch_size"], shuffle=True, seed=seed)
@@ -183,16 +239,19 @@ class FedSMSite(Site):
     def selector_step(self, received: FLModel, prev: dict, seed: int) -> Step:
         """FedSM-extra round: label each training sample with the candidate model (0 = global, k + 1 =
         personalized model of site k) of lowest segmentation loss on it, and train the (K+1)-class selector."""
+        self.check_selector_amp()
         candidates = []  # 0 = global, k + 1 = personalized model of site k
         for prefix in ["global"] + [f"person.{site}" for site in self.sites]:
             net = build_net(self.cfg["net"])
             net.load_state_dict(unprefixed(prefix, received.params))
             candidates.append(net.to(self.device).eval())
+        dtype = self.autocast_dtype()
         per_sample = build_loss(self.cfg["train"]["loss"], reduction="none")
 
         @torch.no_grad()
         def labels_of(batch):
-            losses = [per_sample(m(batch["image"]), batch["label"]).flatten(1).mean(1) for m in candidates]
+            losses = [per_sample(amp_forward(m, batch["image"], dtype), batch["label"]).flatten(1).mean(1)
+                      for m in candidates]
             return selector_labels_extra(torch.stack(losses, dim=1).cpu())
 
         with self.training_time():
@@ -241,7 +300,7 @@ class FedSMInferenceSite(Site):
         common = dict(gammas=fedsm["gammas"], own_index=own, extra=extra,
                       batch_size=self.cfg["train"]["eval_batch_size"],
                       selector_input=msg.meta.get("selector_input", "zscore"),
-                      temperature=float(msg.meta.get("selector_temperature", 1.0)))
+                      temperature=float(msg.meta.get("selector_temperature", 1.0)), amp=self.cfg["train"]["amp"])
         familiarity = unprefixed("familiar", msg.params) or None
         tau = msg.meta.get("familiar_tau")
         fallback = dict(familiarity=familiarity, familiar_tau=float(tau)) if familiarity and tau is not None else {}

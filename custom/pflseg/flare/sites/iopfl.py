@@ -103,5 +103,5 @@ class IOPFLRoutingSite(Site):
                             out_dir=self.store.root / "predictions",
                             label_encoding=load_dataset_info(self.root)["label_encoding"],
                             comparators=self.cfg["iopfl"]["comparators"],
-                            batch_size=self.cfg["train"]["eval_batch_size"])
+                            batch_size=self.cfg["train"]["eval_batch_size"], amp=self.cfg["train"]["amp"])
         return self.reply({}, {"route": result})
