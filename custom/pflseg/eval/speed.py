@@ -27,7 +27,7 @@ over the measured rounds) beside FLARE's per-round floor for the job's site exec
 ``config_fed_client.json``; measured with a no-work job, README "Site executor": Client API in-process 1.2 s
 simulator / 0.8 s POC, plain ``Executor`` 0.6 s / 0.4 s). ``sim``: ``nvflare simulator``
 (``pflseg.deploy.simulator.run_simulator``), with the
-host memory of its processes sampled (psutil, every 0.5 s: per site process and in all); ``poc``: one loopback POC
+host memory (PSS) of its processes sampled (psutil, every 0.5 s: per site process and in all); ``poc``: one loopback POC
 federation (``pflseg.deploy.poc.PocFederation``) that runs every method's job in turn through the FLARE API.
 
 Server aggregation: each method's controller ``aggregate`` step (the very method its ``round`` calls, on a
@@ -205,14 +205,18 @@ def site_of(cmdline: Sequence[str]) -> str:
 
 
 class MemorySampler(threading.Thread):
-    """Samples, every ``period`` s, the resident memory of every process whose command line names ``marker`` (or a
-    path under it), by ``site_of`` of its command line, and of their descendants, each counted for its nearest such
-    ancestor. ``peak()``: the peak of the sum, and of each part (the simulator and each site process)."""
+    """Samples, every ``period`` s, the memory of every process whose command line names ``marker`` (or a path
+    under it), by ``site_of`` of its command line, and of their descendants, each counted for its nearest such
+    ancestor. ``peak()``: the peak of the sum, and of each part (the simulator and each site process).
+
+    Memory is the proportional set size (PSS, Linux; RSS where the system has none): a page shared by n processes
+    (torch's and MONAI's libraries, mapped by every site) counts 1/n in each, so the sum is what the machine holds.
+    The sum of RSS, which counts a shared page once per process, is kept too (``peak_total_rss_gib``)."""
 
     def __init__(self, marker: str | Path, period: float = 0.5):
         super().__init__(daemon=True)
         self.marker, self.period = str(marker), period
-        self.total, self.samples = 0, 0
+        self.total, self.total_rss, self.samples = 0, 0, 0
         self.parts: dict[str, int] = {}
         self._stop_event = threading.Event()
 
@@ -251,20 +255,24 @@ class MemorySampler(threading.Thread):
         for proc, label in matched.values():
             inherit(proc, label)
         parts: dict[str, int] = {}
+        rss = 0
         for pid, label in labels.items():
             try:
-                parts[label] = parts.get(label, 0) + psutil.Process(pid).memory_info().rss
+                mem = psutil.Process(pid).memory_full_info()
             except psutil.Error:
-                pass
+                continue
+            parts[label] = parts.get(label, 0) + getattr(mem, "pss", mem.rss)
+            rss += mem.rss
         if parts:
             self.samples += 1
-            self.total = max(self.total, sum(parts.values()))
+            self.total, self.total_rss = max(self.total, sum(parts.values())), max(self.total_rss, rss)
             for label, rss in parts.items():
                 self.parts[label] = max(self.parts.get(label, 0), rss)
 
     def peak(self) -> dict:
         sites = {k: v / GIB for k, v in sorted(self.parts.items()) if k != "server"}
-        return {"peak_total_gib": self.total / GIB, "peak_server_gib": self.parts.get("server", 0) / GIB,
+        return {"peak_total_gib": self.total / GIB, "peak_total_rss_gib": self.total_rss / GIB,
+                "peak_server_gib": self.parts.get("server", 0) / GIB,
                 "peak_site_gib": sites, "peak_site_max_gib": max(sites.values(), default=0.0),
                 "samples": self.samples}
 
@@ -577,7 +585,7 @@ def scaling(workspace: Path, job: str, sites: Sequence[int], sizes: Sequence[int
 
 def scaling_markdown(rows: list[dict]) -> str:
     """The scaling rows as one Markdown table."""
-    head = ["axis", "value", "wall / round s", "slowest site s", "peak RSS, all GiB", "peak RSS, largest site GiB",
+    head = ["axis", "value", "wall / round s", "slowest site s", "peak PSS, all GiB", "peak PSS, largest site GiB",
             "routing s / image", "routing / UNet forward"]
     body = []
     for r in rows:
@@ -612,8 +620,8 @@ def plot_scaling(rows: list[dict], path: str | Path) -> Path | None:
         else:
             ax.plot(x, [r["wall_s"] for r in pts], "o-", label="wall / round")
             ax.plot(x, [r["slowest_s"] for r in pts], "s--", label="slowest site compute")
-            mem = {"peak RSS, all": [r["peak_total_gib"] for r in pts],
-                   "peak RSS, largest site": [r["peak_site_max_gib"] for r in pts]}
+            mem = {"peak PSS, all": [r["peak_total_gib"] for r in pts],
+                   "peak PSS, largest site": [r["peak_site_max_gib"] for r in pts]}
         ax.set_xlabel({"sites": "sites", "size": "image size (px)", "experts": "experts (K + 1)"}[axis])
         ax.set_ylabel("seconds")
         ax.set_ylim(bottom=0)
@@ -758,7 +766,7 @@ def _memory(row: dict) -> str:
 
 
 HEAD = ["env", "job", "site executor", "plain loop s", "site compute s", "compute / plain", "round wall s",
-        "slowest site s", "fixed s / round", "FLARE floor s", "fixed - floor s", "peak RSS GiB (all / largest site)"]
+        "slowest site s", "fixed s / round", "FLARE floor s", "fixed - floor s", "peak PSS GiB (all / largest site)"]
 
 
 def to_markdown(result: dict) -> str:
@@ -776,7 +784,8 @@ def to_markdown(result: dict) -> str:
     lines.append(markdown_table(HEAD, body))
     lines += ["", "round wall: the server's history[r].wall_seconds (first send to new global model); fixed = wall - "
               "the round's slowest site compute; FLARE floor: FLARE.md's per-round floor of the job's site executor; "
-              "peak RSS: the simulator's processes (sampled every 0.5 s)."]
+              "peak PSS: the simulator's processes (proportional set size: shared library pages split between the "
+              "processes that map them; sampled every 0.5 s)."]
     if rounds - 1 < 5:
         lines.append(f"only {max(rounds - 1, 1)} round(s) measured: a round's fixed cost depends on where its end "
                      "falls in FLARE's 0.5 s polling cycles (FLARE.md's floors are medians over 11 rounds), so fixed - "

@@ -182,6 +182,7 @@ def test_memory_sampler_counts_each_process_for_its_site(tmp_path):
     assert set(peak["peak_site_gib"]) == {"site-1"} and peak["peak_server_gib"] > 0
     assert 0 < peak["peak_site_max_gib"] < peak["peak_total_gib"]
     assert peak["peak_total_gib"] <= peak["peak_site_max_gib"] + peak["peak_server_gib"] + 1e-9
+    assert peak["peak_total_gib"] <= peak["peak_total_rss_gib"], "PSS splits the shared pages RSS counts twice"
 
 
 # ---- plain loop availability, flags -------------------------------------------------------------------------------
