@@ -24,8 +24,9 @@ their sites):
 Rounds measured: 1 .. R-1 (round 0 also loads and caches each site's data; with one round only, round 0). Reported:
 site compute / plain loop, and the **fixed cost per round** = round wall - the round's slowest site compute (median
 over the measured rounds) beside FLARE's per-round floor for the job's site executor kind (read from the built job's
-``config_fed_client.json``; measured with a no-work job, README "Site executor": Client API in-process 1.2 s
-simulator / 0.8 s POC, plain ``Executor`` 0.6 s / 0.4 s). ``sim``: ``nvflare simulator``
+``config_fed_client.json``; measured with a no-work job whose controller waits for FLARE's task check, README "Speed
+and memory": Client API in-process 1.2 s simulator / 0.8 s POC, plain ``Executor`` 0.6 s / 0.4 s; pflseg's controllers
+go on the moment the last site has answered, so a fixed cost may lie below its floor). ``sim``: ``nvflare simulator``
 (``pflseg.deploy.simulator.run_simulator``), with the
 host memory (PSS) of its processes sampled (psutil, every 0.5 s: per site process and in all); ``poc``: one loopback POC
 federation (``pflseg.deploy.poc.PocFederation``) that runs every method's job in turn through the FLARE API.
@@ -77,7 +78,7 @@ GIB = 2**30
 
 # ---- the arithmetic (pure) ------------------------------------------------------------------------------------------
 def floor_seconds(kind: str, env: str) -> float | None:
-    """FLARE's per-round floor for site executor ``kind`` in ``env`` (``FLOORS``); None when FLARE.md has none."""
+    """FLARE's per-round floor for site executor ``kind`` in ``env`` (``FLOORS``); None where none was measured."""
     return FLOORS.get((kind, env))
 
 
@@ -143,8 +144,8 @@ def executor_kind(job_dir: str | Path) -> str:
     - ``client_api``: FLARE's Client API in-process (``ClientAPIExecutor`` with ``execution_mode: in_process``, a
       subclass of it that sets that mode, e.g. ``pflseg.flare.executor.ClientAPISiteExecutor``, or the older
       ``InProcessClientAPIExecutor``);
-    - ``client_api_external``: the Client API in another process (``external_process``, ``attach``; FLARE.md has no
-      floor for it);
+    - ``client_api_external``: the Client API in another process (``external_process``, ``attach``; no floor
+      measured for it);
     - ``executor``: a plain FLARE ``Executor`` subclass answering inside ``execute()``
       (``pflseg.flare.executor.SiteExecutor``);
     - ``unknown``: no executor for ``train``, or a class that cannot be imported (``job_client.X`` of a BYOC job is
@@ -488,7 +489,9 @@ def best_seconds(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str
 def aggregation_times(jobs: Sequence[str], n_sites: int = 6, repeats: int = 3, net: dict | None = None) -> list[dict]:
     """Each job's server aggregation step (its controller's ``aggregate``) over ``n_sites`` Gaussian updates of its
     net (UNet jobs: ``net``, default ``grace_benchmark.NET``, ~8 M parameters) against ``plain_weighted_average`` of
-    the same tensors. A controller without an ``aggregate`` step gets a row with a ``note``."""
+    the same tensors, every step and average timed interleaved in one loop (jobs on the same net share the updates),
+    so the steps compare with each other too (``vs_fedavg``: the step / FedAvg's when fedavg is among ``jobs``). A
+    controller without an ``aggregate`` step gets a row with a ``note``."""
     import torch
     from nvflare.app_common.abstract.fl_model import FLMetaKey, FLModel
 
@@ -501,32 +504,45 @@ def aggregation_times(jobs: Sequence[str], n_sites: int = 6, repeats: int = 3, n
 
     rows: list[dict[str, Any]] = []
     sites = [f"site-{i + 1}" for i in range(n_sites)]
-    for job in jobs:
-        cfg = load_job_config(job)
-        if cfg["net"]["name"] == "unet":
-            cfg = load_job_config(job, overrides={"net": dict(net or NET)})
-        ctrl_cls = method(cfg).controller
-        if not callable(getattr(ctrl_cls, "aggregate", None)):
-            rows.append({"job": job, "step": None, "note": f"{ctrl_cls.__name__} aggregates nothing"})
-            continue
-        ctrl = ctrl_cls(config=cfg)
-        for name in ("info", "warning", "error", "log_scalars"):  # FLARE's logging needs a running job
-            setattr(ctrl, name, lambda *a, **k: None)
-        with tempfile.TemporaryDirectory() as tmp:
+    weights = [10.0 * (i + 1) for i in range(n_sites)]
+    updates: dict[str, tuple] = {}  # net config -> (global state, site states, FLARE results)
+    fns: dict[str, Callable[[], object]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for job in jobs:
+            cfg = load_job_config(job)
+            if cfg["net"]["name"] == "unet":
+                cfg = load_job_config(job, overrides={"net": dict(net or NET)})
+            ctrl_cls = method(cfg).controller
+            if not callable(getattr(ctrl_cls, "aggregate", None)):
+                rows.append({"job": job, "step": None, "note": f"{ctrl_cls.__name__} aggregates nothing"})
+                continue
+            ctrl = ctrl_cls(config=cfg)
+            for name in ("info", "warning", "error", "log_scalars"):  # FLARE's logging needs a running job
+                setattr(ctrl, name, lambda *a, **k: None)
             torch.manual_seed(0)
-            ctrl.init_state(cfg, sites, RoundStore(Path(tmp)))
-            g = ctrl.global_state
-            states = [{k: (v + 1e-3 * torch.randn_like(v) if v.is_floating_point() else v.clone())
-                       for k, v in g.items()} for _ in sites]
-            weights = [10.0 * (i + 1) for i in range(n_sites)]
-            results = {s: FLModel(params=prefixed(GLOBAL, st), metrics={}, meta={FLMetaKey.NUM_STEPS_CURRENT_ROUND: w})
-                       for s, st, w in zip(sites, states, weights)}
-            t = best_seconds({"step": lambda: ctrl.aggregate(results, g, 0),
-                              "plain": lambda: plain_weighted_average(states, weights)}, repeats)
-        params = sum(p.numel() for p in build_net(ctrl.cfg["net"]).parameters())
-        rows.append({"job": job, "step": f"{ctrl_cls.__name__}.aggregate", "sites": n_sites, "parameters": params,
-                     "step_s": t["step"], "plain_s": t["plain"], "ratio": t["step"] / t["plain"],
-                     "threads": torch.get_num_threads()})
+            ctrl.init_state(cfg, sites, RoundStore(Path(tmp) / job))
+            key = json.dumps(ctrl.cfg["net"], sort_keys=True)
+            if key not in updates:
+                g = ctrl.global_state
+                states = [{k: (v + 1e-3 * torch.randn_like(v) if v.is_floating_point() else v.clone())
+                           for k, v in g.items()} for _ in sites]
+                results = {s: FLModel(params=prefixed(GLOBAL, st), metrics={},
+                                      meta={FLMetaKey.NUM_STEPS_CURRENT_ROUND: w})
+                           for s, st, w in zip(sites, states, weights)}
+                updates[key] = (g, states, results)
+                fns[f"plain {key}"] = lambda states=states: plain_weighted_average(states, weights)
+            g, _, results = updates[key]
+            fns[job] = lambda ctrl=ctrl, results=results, g=g: ctrl.aggregate(results, g, 0)
+            params = sum(p.numel() for p in build_net(ctrl.cfg["net"]).parameters())
+            rows.append({"job": job, "step": f"{ctrl_cls.__name__}.aggregate", "sites": n_sites, "parameters": params,
+                         "net": key, "threads": torch.get_num_threads()})
+        t = best_seconds(fns, repeats)
+    for row in rows:
+        if row.get("step"):
+            row.update(step_s=t[row["job"]], plain_s=t[f"plain {row.pop('net')}"])
+            row["ratio"] = row["step_s"] / row["plain_s"]
+            if "fedavg" in t:
+                row["vs_fedavg"] = row["step_s"] / t["fedavg"]
     return rows
 
 
@@ -783,24 +799,26 @@ def to_markdown(result: dict) -> str:
              _num(r["above_floor_s"], 2), _memory(r)] for r in result["rows"]]
     lines.append(markdown_table(HEAD, body))
     lines += ["", "round wall: the server's history[r].wall_seconds (first send to new global model); fixed = wall - "
-              "the round's slowest site compute; FLARE floor: FLARE.md's per-round floor of the job's site executor; "
+              "the round's slowest site compute; FLARE floor: a no-work job's round for the job's site executor (its "
+              "controller waits for FLARE's task check; pflseg's goes on at the last answer, so fixed may lie below); "
               "peak PSS: the simulator's processes (proportional set size: shared library pages split between the "
               "processes that map them; sampled every 0.5 s)."]
     if rounds - 1 < 5:
         lines.append(f"only {max(rounds - 1, 1)} round(s) measured: a round's fixed cost depends on where its end "
-                     "falls in FLARE's 0.5 s polling cycles (FLARE.md's floors are medians over 11 rounds), so fixed - "
+                     "falls in FLARE's polling cycles (the floors are medians over 11 rounds), so fixed - "
                      "floor may even be negative; use --rounds 7 or more for stable medians.")
     for job, plain in result.get("plain", {}).items():
         if "none" in plain:
             lines.append(f"{job}: no plain loop ({plain['none']})")
     agg = result.get("aggregation") or []
     if agg:
-        lines += ["", "Server aggregation (minimum over interleaved repeats):", ""]
+        lines += ["", "Server aggregation (minimum over repeats, every step interleaved with the others):", ""]
         lines.append(markdown_table(
-            ["job", "server step", "sites", "parameters (M)", "step s", "plain weighted average s", "step / plain"],
+            ["job", "server step", "sites", "parameters (M)", "step s", "plain weighted average s", "step / plain",
+             "step / FedAvg's"],
             [[a["job"], a.get("note") or a["step"], a.get("sites", "-"),
               _num(a["parameters"] / 1e6 if "parameters" in a else None, 2), _num(a.get("step_s"), 4),
-              _num(a.get("plain_s"), 4), _num(a.get("ratio"), 2)] for a in agg]))
+              _num(a.get("plain_s"), 4), _num(a.get("ratio"), 2), _num(a.get("vs_fedavg"), 2)] for a in agg]))
     if result.get("scaling"):
         lines += ["", "Scaling (simulator; routing: IOP-FL test-time routing, one process):", "",
                   scaling_markdown(result["scaling"])]
