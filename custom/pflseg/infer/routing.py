@@ -113,7 +113,7 @@ from pflseg.algorithms.routing import (
     use_batch_stats,
 )
 from pflseg.train.evaluate import amp_forward, amp_model
-from pflseg.train.loop import Hooks, amp_dtype, make_loader, seed_everything, train_epochs
+from pflseg.train.loop import Hooks, amp_dtype, backward_step, make_loader, seed_everything, train_epochs
 from pflseg.train.predictions import case_dice, case_names, case_sources, write_predictions
 
 #: every method :func:`route_site` scores, in table order, with its normalisation treatment (module docstring)
@@ -237,13 +237,7 @@ def adapt(model: nn.Module, params: list, dataset: Dataset, device, weights: dic
         loss, probs = unsupervised_loss(amp_model(m, dtype), batch["image"], weights, cfg["noise_std"],
                                         cfg["rot_flip"], cfg["shape_radius"])
         best.update([_key(batch, i) for i in range(len(batch["case"]))], loss, probs > 0.5)
-        if scaler is not None:
-            scaler.scale(loss.mean()).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.mean().backward()
-            opt.step()
+        backward_step(loss.mean(), opt, scaler)
         visits += len(batch["case"])
         return float(loss.mean().detach())
 

@@ -251,6 +251,18 @@ def peak_gpu_memory(device: torch.device | str) -> int | None:
     return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
 
 
+def backward_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
+    """``loss.backward()`` and ``optimizer.step()``; through ``scaler`` where fp16 gives one (the step is then skipped
+    when the scaled gradient overflowed, and the scale adapts)."""
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+        return
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+
+
 def train_epochs(
     model: nn.Module,
     loader: DataLoader,
@@ -314,13 +326,7 @@ def train_epochs(
                         loss = loss + (term.float() if dtype is not None else term)
                     if not torch.isfinite(loss):
                         raise FloatingPointError(f"training loss became {loss.item()} at step {steps}; lower train.lr")
-                    if scaler is not None:
-                        scaler.scale(loss).backward()
-                        scaler.step(optimizer)
-                        scaler.update()
-                    else:
-                        loss.backward()
-                        optimizer.step()
+                    backward_step(loss, optimizer, scaler)
                     loss_value = float(loss.detach())
                 total += loss_value
                 steps += 1

@@ -25,10 +25,9 @@ from pflseg.infer.routing import final_loss, predict, route_site, tent
 from pflseg.train.evaluate import amp_forward, amp_model
 from pflseg.train.loop import AMP_DTYPES
 from pflseg.train.overlays import write_overlays
-from tests.unit.train.test_amp import ConvDtypes, Discs, train
+from tests.unit.train.test_amp import ConvDtypes, Discs, cpu_grad_scalers, train
 
 CPU = torch.device("cpu")
-_GradScaler = torch.amp.GradScaler
 CFG = {"router": "normalised", "loss_weights": "paper", "beta": 0.01, "noise_std": 0.5, "rot_flip": False,
        "shape_radius": 1, "epochs": 1, "steps": 0, "lr": 1e-2, "lr_grid": [], "lr_trial_steps": 0, "batch_size": 4,
        "norm_affine": False, "rest": None, "lr_guard": 0.0}
@@ -113,20 +112,8 @@ def test_route_site_under_bf16_scores_every_method_close_to_float32(nets, data):
 def test_route_site_fp16_steps_through_a_gradient_scaler(nets, data, monkeypatch):
     """fp16 exists on CUDA only; here a CPU stands in for it (autocast in float16 and a CPU GradScaler patched in),
     to run the scaled step: every adaptation's backward pass goes through the scaler, and the result is float32's."""
-    scalers = []
-
-    class Counting(_GradScaler):
-        def scale(self, outputs):
-            self.scaled = getattr(self, "scaled", 0) + 1
-            return super().scale(outputs)
-
-    def scaler(device):
-        assert device == "cuda"  # the one the code asks for on a GPU
-        scalers.append(Counting("cpu"))
-        return scalers[-1]
-
     monkeypatch.setattr(infer_routing, "amp_dtype", lambda amp, device: AMP_DTYPES[amp])
-    monkeypatch.setattr(torch.amp, "GradScaler", scaler)
+    scalers = cpu_grad_scalers(monkeypatch)
     with ConvDtypes() as dtypes:
         half = route_site([nets[0], nets[1]], nets[1], data, CPU, CFG, comparators=["tent"], amp="fp16")
     assert dtypes == {torch.float16} and len(scalers) == 2  # routing's run and Tent's

@@ -64,6 +64,28 @@ class RecordingLoss(torch.nn.Module):
         return self.dice(logits, label)
 
 
+def cpu_grad_scalers(monkeypatch) -> list:
+    """fp16 exists on CUDA only: a CPU stands in. ``torch.amp.GradScaler("cuda")`` then makes a CPU scaler that counts
+    its scaled backward passes (``.scaled``); returns the list of the scalers made."""
+    made: list = []
+    real = torch.amp.GradScaler
+
+    class Counting(real):
+        scaled = 0
+
+        def scale(self, outputs):
+            self.scaled += 1
+            return super().scale(outputs)
+
+    def scaler(device):
+        assert device == "cuda"  # the one the code asks for on a GPU
+        made.append(Counting("cpu"))
+        return made[-1]
+
+    monkeypatch.setattr(torch.amp, "GradScaler", scaler)
+    return made
+
+
 class ConvDtypes:
     """The dtypes of every Conv2d output while the block runs (a global forward hook)."""
 

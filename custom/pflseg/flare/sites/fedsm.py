@@ -60,7 +60,7 @@ from pflseg.nets import build_net
 from pflseg.nets.selector import build_selector, selector_cfg
 from pflseg.train import Hooks, build_loss, build_optimizer, make_loader, train_epochs
 from pflseg.train.evaluate import amp_forward
-from pflseg.train.loop import amp_dtype
+from pflseg.train.loop import amp_dtype, backward_step
 
 
 class _AmpSelector:
@@ -214,13 +214,7 @@ class FedSMSite(Site):
         def step(model, batch, opt, _):
             opt.zero_grad(set_to_none=True)
             loss = ce(amp_forward(model, self.selector_input(batch), dtype), labels_of(batch).to(batch["image"].device))
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            else:
-                loss.backward()
-                opt.step()
+            backward_step(loss, opt, scaler)
             return float(loss.detach())
 
         loader = make_loader(self.data("training"), cfg["train"]["batch_size"], shuffle=True, seed=seed)

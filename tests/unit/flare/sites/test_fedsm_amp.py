@@ -21,12 +21,11 @@ from pflseg.flare.state import prefixed, unprefixed
 from pflseg.nets import build_net
 from pflseg.nets.selector import SELECTOR_DEFAULTS, build_selector, selector_cfg
 from pflseg.train.loop import AMP_DTYPES
-from tests.unit.train.test_amp import ConvDtypes
+from tests.unit.train.test_amp import ConvDtypes, cpu_grad_scalers
 
 LDA = {"selector_fit": "lda"}
 EPOCH = {"selector_fit": "softmax", "selector_steps": "epoch"}
 BATCH = {"selector_fit": "softmax", "selector_steps": "batch"}
-_GradScaler = torch.amp.GradScaler
 
 
 @pytest.fixture(autouse=True)
@@ -119,21 +118,9 @@ def test_fp16_with_the_epoch_gradient_is_refused_before_any_training(federation)
 def test_fp16_batch_fit_steps_through_a_gradient_scaler(federation, monkeypatch):
     """fp16 exists on CUDA only; a CPU stands in (float16 autocast, a CPU GradScaler patched in): every per-batch
     Adam step of the selector's fit goes through the scaler, and the fit is about float32's."""
-    scalers = []
-
-    class Counting(_GradScaler):
-        def scale(self, outputs):
-            self.scaled = getattr(self, "scaled", 0) + 1
-            return super().scale(outputs)
-
-    def scaler(device):
-        assert device == "cuda"
-        scalers.append(Counting("cpu"))
-        return scalers[-1]
-
     _, p32, m32, _, start = fit(federation, BATCH, "off")
     monkeypatch.setattr(fedsm_site, "amp_dtype", lambda amp, device: AMP_DTYPES[amp])
-    monkeypatch.setattr(torch.amp, "GradScaler", scaler)
+    scalers = cpu_grad_scalers(monkeypatch)
     _, p16, m16, dtypes, _ = fit(federation, BATCH, "fp16")
     assert dtypes == {torch.float16} and len(scalers) == 1
     assert scalers[0].scaled == int(p16["moment.0.step"]) > 0  # one scaled backward per Adam step
