@@ -88,7 +88,8 @@ def result(**more):
     return {"setup": {"sites": 2, "size": 32, "rounds": 3, "threads_per_site": 1, "cores": 2}, "device": "cpu",
             "rows": [row], "plain": {"iopfl": {"none": "its site's round is its own step"}},
             "aggregation": [{"job": "grace", "step": "GraceController.aggregate", "sites": 6, "parameters": 8_000_000,
-                             "step_s": 0.2, "plain_s": 0.05, "ratio": 4.0, "vs_fedavg": 2.5},
+                             "step_s": 0.2, "plain_s": 0.05, "ratio": 4.0, "vs_first": 2.5,
+                             "first": "fedavg"},
                             {"job": "local", "step": None, "note": "LocalController aggregates nothing"}],
             "errors": [], **more}
 
@@ -100,9 +101,10 @@ def test_aggregation_steps_are_timed_together_against_fedavgs_and_a_plain_averag
     rows = {r["job"]: r for r in speed.aggregation_times(["fedavg", "fedprox", "grace", "lcfed", "local"], n_sites=3,
                                                          repeats=1, net=small)}
     assert rows["local"]["step"] is None and "aggregates nothing" in rows["local"]["note"]
-    assert rows["fedavg"]["vs_fedavg"] == 1.0 and rows["grace"]["step"] == "GraceController.aggregate"
+    assert rows["fedavg"]["vs_first"] == 1.0 and rows["grace"]["step"] == "GraceController.aggregate"
     for job in ("fedavg", "fedprox", "grace", "lcfed"):
-        assert rows[job]["step_s"] > 0 and rows[job]["plain_s"] > 0 and rows[job]["vs_fedavg"] > 0
+        assert rows[job]["first"] == "fedavg" and rows[job]["step_s"] > 0 and rows[job]["plain_s"] > 0
+        assert rows[job]["vs_first"] == rows[job]["step_s"] / rows["fedavg"]["step_s"]
     assert rows["fedavg"]["parameters"] == rows["grace"]["parameters"] < rows["lcfed"]["parameters"]
 
 
@@ -112,6 +114,7 @@ def test_to_markdown_renders_the_rows():
     assert "| " + " | ".join(speed.HEAD) + " |" in text
     assert "| sim | fedavg | executor | 1.12 | 1.75 | 1.56 | 5.00 | 2.50 | 2.50 | 0.6 | 1.90 | 2.05 / 0.65 |" in text
     assert "iopfl: no plain loop (its site's round is its own step)" in text
+    assert "step / fedavg's |" in text
     assert "| grace | GraceController.aggregate | 6 | 8.00 | 0.2000 | 0.0500 | 4.00 | 2.50 |" in text
     assert "| local | LocalController aggregates nothing | - | - | - | - | - | - |" in text
     assert "error:" not in text and "Scaling" not in text
