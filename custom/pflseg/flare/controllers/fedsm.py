@@ -117,6 +117,18 @@ class FedSMSection:
         if not 0.0 < fedsm["familiar_quantile"] <= 1.0:
             raise ConfigError(f"{source}: fedsm.familiar_quantile must lie in (0, 1] (1 = the largest inside "
                               f"validation distance), got {fedsm['familiar_quantile']}")
+        cls.check_amp(cfg, source)
+
+    @staticmethod
+    def check_amp(cfg: dict, source: str = "config") -> None:
+        """fp16 with the epoch-mode selector gradient is refused: the gradient leaves the site unscaled, without an
+        optimizer step for a gradient scaler to skip (the sites check it again before any work)."""
+        fedsm = cfg["fedsm"]
+        if cfg["train"]["amp"] == "fp16" and fedsm["selector_fit"] == "softmax" and fedsm["selector_steps"] == "epoch":
+            raise ConfigError(f"{source}: train.amp=fp16 needs a gradient scaler around each backward pass, and "
+                              "FedSM's epoch-mode selector gradient (fedsm.selector_fit: softmax, selector_steps: "
+                              "epoch) is sent unscaled, without an optimizer step to skip; use train.amp: bf16 (or "
+                              "off), or fedsm.selector_steps: batch, or fedsm.selector_fit: lda")
 
 
 class FedSMController(FedSMSection, RoundController):

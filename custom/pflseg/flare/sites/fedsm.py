@@ -30,8 +30,8 @@ segmentation loss and the statistics (``pflseg.train.evaluate.amp_forward``); th
 (``pflseg.infer.fedsm``). The selector's per-batch Adam steps (softmax, batch) scale their backward pass with a
 ``torch.amp.GradScaler`` under fp16 (on CUDA; a new one per round, as the loop's). The epoch-mode gradient is sent
 as it is, with no optimizer step to skip where a scaled gradient overflowed: fp16 with ``selector_fit: softmax``,
-``selector_steps: epoch`` is refused on every device (ConfigError), as the loop refuses a method's own step. Off (the
-default) changes nothing.
+``selector_steps: epoch`` is refused when the config is checked (``FedSMSection.check_amp``: at build, at the
+server and at a site's first message). Off (the default) changes nothing.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ from pflseg.algorithms.fedsm import (
     selector_view,
     unflatten_optimizer_state,
 )
-from pflseg.config import ConfigError
 from pflseg.data import load_dataset_info
 from pflseg.flare.sites.base import Site, Step, cpu_state
 from pflseg.flare.state import prefixed, unprefixed
@@ -93,7 +92,6 @@ class FedSMSite(Site):
     def step(self, received: FLModel, prev: dict, seed: int) -> Step:
         """Train the global model and this site's personalized model; score the received selector and send this
         site's part of its fit (label k); keep both models' optimizer states."""
-        self.check_selector_amp()
         r, params = received.current_round, received.params
         person = self.personalized_model(params)
         val_p = self.track(person, r)  # the site's own best model is its personalized one
@@ -115,16 +113,6 @@ class FedSMSite(Site):
     def autocast_dtype(self) -> torch.dtype | None:
         """The autocast dtype of ``train.amp`` on the site's device (``pflseg.train.loop.amp_dtype``)."""
         return amp_dtype(self.cfg["train"]["amp"], self.device)
-
-    def check_selector_amp(self) -> None:
-        """fp16 with the epoch-mode selector gradient: refused on every device (module docstring), before any work."""
-        fedsm = self.cfg["fedsm"]
-        if self.cfg["train"]["amp"] == "fp16" and fedsm["selector_fit"] == "softmax" \
-                and fedsm["selector_steps"] == "epoch":
-            raise ConfigError("train.amp=fp16 needs a gradient scaler around each backward pass, and FedSM's "
-                              "epoch-mode selector gradient (fedsm.selector_fit: softmax, selector_steps: epoch) is "
-                              "sent unscaled, without an optimizer step to skip; use train.amp: bf16 (or off), or "
-                              "fedsm.selector_steps: batch, or fedsm.selector_fit: lda")
 
     def site_labels(self, label: int):
         """FedSM's selector labels of a batch of this site: ``label`` (its index k) for every sample."""
@@ -174,7 +162,6 @@ class FedSMSite(Site):
         if fedsm["selector_fit"] == "lda":
             return self.selector_statistics(selector, labels_of)
         if fedsm["selector_steps"] == "epoch":
-            self.check_selector_amp()
             selector.train()
             dtype = self.autocast_dtype()
             pairs = ((self.selector_input(b), labels_of(b)) for b in self.batches("training"))
@@ -233,7 +220,6 @@ class FedSMSite(Site):
     def selector_step(self, received: FLModel, prev: dict, seed: int) -> Step:
         """FedSM-extra round: label each training sample with the candidate model (0 = global, k + 1 =
         personalized model of site k) of lowest segmentation loss on it, and train the (K+1)-class selector."""
-        self.check_selector_amp()
         candidates = []  # 0 = global, k + 1 = personalized model of site k
         for prefix in ["global"] + [f"person.{site}" for site in self.sites]:
             net = build_net(self.cfg["net"])

@@ -102,17 +102,18 @@ def test_fp16_on_a_cpu_computes_the_selector_in_float32_bit_for_bit(federation, 
     assert p16.keys() == p32.keys() and all(torch.equal(v, p32[k]) for k, v in p16.items())
 
 
-def test_fp16_with_the_epoch_gradient_is_refused_before_any_training(federation):
-    fed = federation("fedsm", fedsm=EPOCH, train={"amp": "fp16"})
-    selector = build_selector(selector_cfg(fed.cfg, 2)).state_dict()
-    msg = fed.message(0, {**prefixed("global", fed.initial), **prefixed("person", fed.initial),
-                          **prefixed("select", selector)}, selector_label=0)
-    with ConvDtypes() as dtypes, pytest.raises(ConfigError, match="train.amp=fp16.*epoch.*bf16"):
-        fed.site().train(msg)
-    assert dtypes == set()  # refused before any forward pass
-    extra = federation("fedsm", fedsm={**EPOCH, "extra_rounds": 1}, train={"amp": "fp16"})
+def test_fp16_with_the_epoch_gradient_is_refused_when_the_config_is_checked():
+    """FedSMSection.check_amp, run by ``method(cfg)``: at build, at the server and at a site's first message;
+    FedSM-extra alike (same section)."""
+    from pflseg.config import load_job_config
+    from pflseg.flare.methods import method
+
+    over = {"fedsm": EPOCH, "train": {"amp": "fp16"}}
+    with pytest.raises(ConfigError, match="train.amp=fp16.*epoch"):
+        method(load_job_config("fedsm", overrides=over))
     with pytest.raises(ConfigError, match="train.amp=fp16"):
-        extra.site().train_selector(extra.message(2, {}))
+        method(load_job_config("fedsm_extra", overrides=over), "job config sent by the server")
+    method(load_job_config("fedsm", overrides={**over, "train": {"amp": "bf16"}}))  # bf16: no scaler needed
 
 
 def test_fp16_batch_fit_steps_through_a_gradient_scaler(federation, monkeypatch):
