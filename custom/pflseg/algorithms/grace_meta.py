@@ -7,9 +7,15 @@ segmentation head:
     g        = grad L_task(theta; B1)
     theta'   = theta - inner_lr * D^-1 g                    (inner step, see below)
     L_meta   = L_task(theta'; B2) + beta * L_align( h(B2; theta'), h(B2; phi_g) )
-    theta    <- optimizer step on theta with gradient grad_theta' L_meta      (first-order MAML)
+    theta    <- optimizer step on theta with gradient G                               (first-order)
+    G        = grad_theta' L_meta                                   (``meta_grad="meta"``: first-order MAML)
+             = g + grad_theta' L_meta                               (``meta_grad="both"``: MLDG's objective)
 
 The second-order term (d theta' / d theta) is dropped: the gradient taken at theta' is applied to theta.
+The paper's Eq. 1-2 leave open whether the meta-train loss stays in the objective; its lineage (MLDG, Li et
+al. AAAI 2018; FedDG-ELCFS, Liu et al. CVPR 2021) minimises L_task(theta; B1) + L_meta(theta'), whose
+first-order gradient is the sum of the two plain gradients (``both``). ``meta`` is the form this project ran
+first: the meta-train batch B1 then only shapes the inner step and its own gradient never reaches theta.
 
 Inner step (``inner``). The paper writes a plain SGD step (``inner="sgd"``: D = 1). With an Adam outer
 optimizer at lr 1e-3, an SGD step of the same size moves theta by 1e-3 * ||g||, orders of magnitude less
@@ -59,6 +65,7 @@ FeatureFn = Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor
 AlignFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 INNER_STEPS = ("adam", "sgd")
+META_GRADS = ("both", "meta")
 _NORM = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.GroupNorm, nn.LayerNorm)
 
 
@@ -234,6 +241,7 @@ def meta_step(
     split: bool = True,
     inner: str = "adam",
     record: dict | None = None,
+    meta_grad: str = "meta",
 ) -> float:
     """One first-order GRACE meta step; updates ``model`` in place through ``optimizer``.
 
@@ -263,6 +271,8 @@ def meta_step(
             discriminator's loss) to ``record["align_loss_sum"]`` (absent with beta = 0: not computed), so
             ``task_loss_sum / inner_steps`` and ``align_loss_sum / inner_steps`` are the round's means of the
             two terms, L_meta = L_task + beta * L_align. Left untouched when the call fails.
+        meta_grad: ``meta`` (grad L_meta(theta') only) or ``both`` (plus the meta-train gradient grad
+            L_task(theta; B1), taken even when inner_lr = 0); module docstring.
 
     Returns:
         L_meta at theta' as a float.
@@ -273,6 +283,8 @@ def meta_step(
         raise ValueError(f"beta must be finite and >= 0, got {beta}")
     if inner not in INNER_STEPS:
         raise ValueError(f"inner must be one of {', '.join(INNER_STEPS)}, got {inner!r}")
+    if meta_grad not in META_GRADS:
+        raise ValueError(f"meta_grad must be one of {', '.join(META_GRADS)}, got {meta_grad!r}")
     if beta > 0:
         for name, value in (("align_fn", align_fn), ("global_model", global_model), ("feature_fn", feature_fn)):
             if value is None:
@@ -284,15 +296,17 @@ def meta_step(
     inner_sq = 0.0
 
     try:
-        if inner_lr > 0:  # theta' = theta + inner_update(grad L_task(theta; B1))
+        grads: Sequence[torch.Tensor | None] = ()
+        if inner_lr > 0 or meta_grad == "both":  # g = grad L_task(theta; B1); theta' = theta + inner_update(g)
             inner_loss = loss_fn(model(b1["image"]), b1["label"])
             if not torch.isfinite(inner_loss):
                 raise FloatingPointError(f"meta-train loss became {inner_loss.item()}; lower train.lr or inner_lr")
             grads = torch.autograd.grad(inner_loss, params, allow_unused=True)
             with torch.no_grad():
-                for p, delta in zip(params, inner_update(params, grads, optimizer, inner_lr, inner)):
-                    if delta is not None:
-                        p.add_(delta)
+                if inner_lr > 0:
+                    for p, delta in zip(params, inner_update(params, grads, optimizer, inner_lr, inner)):
+                        if delta is not None:
+                            p.add_(delta)
                 for buf, saved in buffers:  # only the meta-test forward updates running statistics
                     buf.copy_(saved)
                 inner_sq = float(sum((p - t).double().pow(2).sum() for p, t in zip(params, theta)))
@@ -311,6 +325,11 @@ def meta_step(
         if not torch.isfinite(loss):
             raise FloatingPointError(f"meta-test loss became {loss.item()}; lower train.lr, inner_lr or beta")
         loss.backward()  # gradient of L_meta at theta'
+        if meta_grad == "both":  # + the meta-train gradient taken at theta
+            with torch.no_grad():
+                for p, g in zip(params, grads):
+                    if g is not None:
+                        p.grad = g.clone() if p.grad is None else p.grad.add_(g)
     except BaseException:
         with torch.no_grad():
             for buf, saved in buffers:

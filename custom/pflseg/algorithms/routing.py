@@ -44,15 +44,25 @@ deeper layers' inputs differ from image to image.
 
 Unsupervised test-time loss per sample, on sigmoid probabilities p (B, C, H, W)::
 
-    L = w_cons L_cons + w_shape L_shape + w_ent L_ent       paper: (1, beta, beta), beta = 0.01
+    L = w_cons L_cons + w_shape L_shape + w_ent L_ent + w_size L_size      paper: (1, beta, beta, 0), beta = 0.01
     L_cons  = mean (p(x) - p(x + eps))^2, eps ~ N(0, sigma^2) on the normalised image (sigma = 0.5), option
               a random rot90/flip of the noisy input that is undone on its output
-    L_shape = sum_c SUM_pixels (max_{(2d+1)^2 window} p_c - min_{window} p_c)
+    L_shape = sum_c MEAN_pixels (max_{(2d+1)^2 window} p_c - min_{window} p_c)     (``shape_reduction="mean"``)
     L_ent   = mean pixel binary entropy
+    L_size  = sum_c KL( Bernoulli(q_c) || Bernoulli(pi_c) ),  q_c = the batch's mean p_c (its predicted foreground
+              fraction), pi_c = the size prior: the inside sites' training-label foreground fraction of class c
 
-The shape term is the paper's SUM over pixels (beta = 0.01 was set for that sum): at H x W pixels it weighs
-H x W times what a pixel mean would (``shape_loss(..., reduction="mean")`` is the mean form, not used by
-default). ``refcode`` weights are what the reference code optimises, rewritten per sample: 10 times its
+Scales (``tests/unit/algorithms/test_routing.py``). Every term is 0 on a constant 0/1 map (L_size when that map's
+fraction is the prior). Each term is a per-pixel MEAN, so none grows with the image: on a 64 x 64 disc of radius
+12 with a soft 2 px edge, the paper's weights give beta L_shape and beta L_ent of the order of 1e-4 - 1e-3, L_cons
+of 1e-4 - 1e-2 under the project's noise, and a fraction 20 % off the prior costs L_size of 1e-3 - 1e-2: the
+weighted terms stay within a factor 100 of each other. The paper's Eq. 9 writes the shape term as a SUM over
+pixels (``shape_reduction="sum"``, kept as an option); with beta = 0.01 that sum weighs H x W times the mean form
+and, at 64 x 64 with a small foreground, outweighs the entropy and consistency terms ~1e3-fold: minimising it
+shrinks the mask (a perimeter penalty), which is what every routing run on the bench preset did. The size prior
+is the counterweight to that trivial minimum (an empty or shrinking map is consistent, smooth and certain) inside
+the objective; its weight ``w_size`` is chosen on validation sites (``pflseg.eval.routing_validation``).
+``refcode`` weights are what the reference code optimises, rewritten per sample: 10 times its
 entropy, which it SUMS over the batch (a sum over dim 0 where the classes were meant) in bits and averages
 over its two softmax classes, i.e. 10 B / (2 ln 2) times our per-sample mean entropy in nats at batch size
 B, plus 0.1 L_cons; its shape term (1e-6 times the L2 norm of the max - min maps) is negligible and dropped.
@@ -74,6 +84,7 @@ from pflseg.algorithms.iopfl import average_states
 
 ROUTERS = ("paper", "normalised", "refcode", "model", "layer_global")
 LOSS_WEIGHTS = ("paper", "refcode")
+SHAPE_REDUCTIONS = ("mean", "sum")
 RESTS = ("average", "global")
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _CONV_T = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
@@ -398,40 +409,44 @@ def relative_distances(experts: Sequence[nn.Module]) -> list[float]:
 # ---------------------------------------------------------------------------------------------------
 
 
-def loss_weights(kind: str, beta: float = 0.01, batch_size: int | None = None) -> dict:
-    """Weights of (cons, shape, ent) of the per-sample loss.
+def loss_weights(kind: str, beta: float = 0.01, batch_size: int | None = None, size: float = 0.0) -> dict:
+    """Weights of (cons, shape, ent, size) of the per-sample loss.
 
-    ``paper``: (1, beta, beta). ``refcode``: (0.1, 0, 10 B / (2 ln 2)) with B = ``batch_size`` (required):
-    the reference code sums its entropy over the batch, in bits, averaged over its two softmax classes
-    (module docstring); per sample that is 10 B / (2 ln 2) times the mean entropy in nats.
+    ``paper``: (1, beta, beta, ``size``). ``refcode``: (0.1, 0, 10 B / (2 ln 2), ``size``) with B = ``batch_size``
+    (required): the reference code sums its entropy over the batch, in bits, averaged over its two softmax classes
+    (module docstring); per sample that is 10 B / (2 ln 2) times the mean entropy in nats. ``size`` (>= 0) weighs
+    the size prior L_size (0: not computed; neither paper nor reference code has it).
     """
+    if not (size >= 0 and math.isfinite(size)):
+        raise ValueError(f"size: the size prior's weight must be finite and >= 0, got {size!r}")
     if kind == "paper":
-        return {"cons": 1.0, "shape": beta, "ent": beta}
+        return {"cons": 1.0, "shape": beta, "ent": beta, "size": float(size)}
     if kind == "refcode":
         if batch_size is None or batch_size < 1:
             raise ValueError(f"loss_weights('refcode') needs the batch size (its entropy is a batch sum), "
                              f"got {batch_size!r}")
-        return {"cons": 0.1, "shape": 0.0, "ent": 10.0 * batch_size / (2 * math.log(2))}
+        return {"cons": 0.1, "shape": 0.0, "ent": 10.0 * batch_size / (2 * math.log(2)), "size": float(size)}
     raise ValueError(f"loss_weights must be one of {', '.join(LOSS_WEIGHTS)}, got {kind!r}")
 
 
-def shape_loss(probs: torch.Tensor, radius: int = 2, reduction: str = "sum") -> torch.Tensor:
+def shape_loss(probs: torch.Tensor, radius: int = 2, reduction: str = "mean") -> torch.Tensor:
     """Per sample: sum over classes of (local max - local min) over a (2r+1)^2 window, pooled over pixels.
 
-    The pixels are summed (the paper's form, ``reduction="sum"``) or averaged (``"mean"``: the sum / (H x W)).
+    The pixels are averaged (``reduction="mean"``, the default: commensurate with the other terms at any image
+    size) or summed (``"sum"``: the paper's Eq. 9, H x W times the mean; module docstring).
 
     Args:
         probs: (B, C, H, W) probabilities.
         radius: r >= 1, the window's half side.
-        reduction: ``sum`` (the paper's) or ``mean`` over the pixels.
+        reduction: ``mean`` or ``sum`` (the paper's) over the pixels.
 
     Returns:
         (B,) losses; 0 for a constant map.
     """
     if radius < 1:
         raise ValueError(f"radius must be >= 1, got {radius}")
-    if reduction not in ("sum", "mean"):
-        raise ValueError(f"reduction must be sum or mean, got {reduction!r}")
+    if reduction not in SHAPE_REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(SHAPE_REDUCTIONS)}, got {reduction!r}")
     k = 2 * radius + 1
     pool = (F.max_pool1d, F.max_pool2d, F.max_pool3d)[probs.ndim - 3]
     local_max = pool(probs, k, stride=1, padding=radius)
@@ -451,6 +466,29 @@ def consistency(probs: torch.Tensor, probs_aug: torch.Tensor) -> torch.Tensor:
     return (probs - probs_aug).pow(2).flatten(1).mean(1)
 
 
+def size_prior(probs: torch.Tensor, prior: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """KL(Bernoulli(q_c) || Bernoulli(pi_c)) summed over the classes, q_c = the batch's mean probability of class c.
+
+    The batch's predicted foreground fraction against the prior fraction (one number per class): 0 when they are
+    equal, growing as the prediction shrinks or swells away from the prior; d/dq_c = log(q_c (1 - pi_c) / ((1 -
+    q_c) pi_c)) pulls q_c towards pi_c. Judged over the batch, not per image: one slice may hold no foreground.
+
+    Args:
+        probs: (B, C, ...) probabilities.
+        prior: (C,) foreground fractions in (0, 1) (clamped to [eps, 1 - eps]).
+
+    Returns:
+        (B,): the batch's value for every sample of it.
+    """
+    if prior.ndim != 1 or prior.shape[0] != probs.shape[1]:
+        raise ValueError(f"prior: expected ({probs.shape[1]},) foreground fractions, one per class, got "
+                         f"{tuple(prior.shape)}")
+    q = probs.transpose(0, 1).flatten(1).mean(1).clamp(eps, 1 - eps)  # (C,)
+    pi = prior.to(q).clamp(eps, 1 - eps)
+    kl = q * (q / pi).log() + (1 - q) * ((1 - q) / (1 - pi)).log()
+    return kl.sum().expand(probs.shape[0])
+
+
 def _rot_flip(x: torch.Tensor, k: int, flip: bool, undo: bool = False) -> torch.Tensor:
     if undo:
         x = x.flip(-1) if flip else x
@@ -460,17 +498,20 @@ def _rot_flip(x: torch.Tensor, k: int, flip: bool, undo: bool = False) -> torch.
 
 
 def unsupervised_loss(model: nn.Module, images: torch.Tensor, weights: dict, noise_std: float = 0.5,
-                      rot_flip: bool = False, radius: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+                      rot_flip: bool = False, radius: int = 2, shape_reduction: str = "mean",
+                      prior: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample test-time loss and the probabilities of the clean input.
 
     Args:
         model: image (B, C_in, H, W) -> logits (B, C, H, W).
         images: the normalised images.
-        weights: {"cons", "shape", "ent"} (``loss_weights``); a zero weight skips its term (and the
-            second forward pass when ``cons`` is 0).
+        weights: {"cons", "shape", "ent", "size"} (``loss_weights``); a zero (or absent) weight skips its term
+            (and the second forward pass when ``cons`` is 0).
         noise_std: sigma of the Gaussian noise of the consistency term.
         rot_flip: also apply a random rot90/flip to the noisy input, undone on its output (2D only).
         radius: window radius d of the shape term.
+        shape_reduction: ``mean`` (default) or ``sum`` (the paper's) over the pixels (:func:`shape_loss`).
+        prior: (C,) the size prior's foreground fractions (:func:`size_prior`); needed when ``weights["size"]``.
 
     Returns:
         (loss (B,), probs (B, C, H, W)).
@@ -486,9 +527,13 @@ def unsupervised_loss(model: nn.Module, images: torch.Tensor, weights: dict, noi
             p_aug = torch.sigmoid(model(noisy))
         loss = loss + weights["cons"] * consistency(probs, p_aug)
     if weights.get("shape", 0.0):
-        loss = loss + weights["shape"] * shape_loss(probs, radius)
+        loss = loss + weights["shape"] * shape_loss(probs, radius, shape_reduction)
     if weights.get("ent", 0.0):
         loss = loss + weights["ent"] * entropy(probs)
+    if weights.get("size", 0.0):
+        if prior is None:
+            raise ValueError("the size prior's weight is > 0 but no prior (foreground fractions) was given")
+        loss = loss + weights["size"] * size_prior(probs, prior)
     return loss, probs
 
 

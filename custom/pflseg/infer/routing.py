@@ -119,11 +119,12 @@ from pflseg.train.predictions import case_dice, case_names, case_sources, write_
 #: every method :func:`route_site` scores, in table order, with its normalisation treatment (module docstring)
 NORM = {"global": "running", "global_bn": "batch", "average": "running", "average_bn": "batch",
         "ensemble": "running", "ensemble_bn": "batch", "tent": "batch", "tent_epochs": "batch",
-        "routing_global": "batch", "routing_layer": "batch", "routing": "batch"}
+        "tent_average": "batch", "routing_global": "batch", "routing_layer": "batch", "routing": "batch",
+        "routing_final": "batch"}
 METHODS = tuple(NORM)
 #: the routing variants' display names, the one naming of every table (bench, demo, ``pflseg run``) and the README
 LABELS = {"routing": "IOP-FL routing", "routing_global": "IOP-FL routing (Global)",
-          "routing_layer": "IOP-FL routing (per layer, ours)"}
+          "routing_layer": "IOP-FL routing (per layer, ours)", "routing_final": "IOP-FL routing (final model)"}
 
 
 def _key(batch: dict, i: int) -> tuple:
@@ -189,6 +190,8 @@ def settings(cfg: dict) -> dict:
     out["lr_grid"] = [float(x) for x in out["lr_grid"] or [cfg["lr"]]]
     out["lr_guard"] = float(out["lr_guard"])
     out["normalised"] = cfg["router"] == "normalised"
+    out["shape_reduction"] = cfg.get("shape_reduction", "mean")
+    out["size_prior"] = float(cfg.get("size_prior", 0.0))
     return out
 
 
@@ -196,6 +199,12 @@ def budget(n_samples: int, cfg: dict) -> int:
     """Optimizer steps of one adaptation: ``iopfl.steps``, or when 0, ``iopfl.epochs`` passes of
     ceil(n_samples / ``iopfl.batch_size``) steps."""
     return cfg.get("steps") or cfg["epochs"] * math.ceil(n_samples / cfg["batch_size"])
+
+
+def _loss(model, images: torch.Tensor, weights: dict, cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unsupervised loss with the routing config's settings (``cfg["prior"]``: the size prior, a (C,) tensor)."""
+    return unsupervised_loss(model, images, weights, cfg["noise_std"], cfg["rot_flip"], cfg["shape_radius"],
+                             cfg.get("shape_reduction", "mean"), cfg.get("prior"))
 
 
 class _Steps:
@@ -215,11 +224,12 @@ class _Steps:
 
 
 def adapt(model: nn.Module, params: list, dataset: Dataset, device, weights: dict, cfg: dict, seed: int,
-          lr: float, steps: int, amp: str = "off") -> dict:
+          lr: float, steps: int, amp: str = "off", on_step=None) -> dict:
     """Adam (``lr``) on ``params`` for ``steps`` optimizer steps of the unsupervised loss over ``dataset``, in
     batches of ``cfg["batch_size"]`` in a shuffled order seeded by ``seed``, pass after pass (the one training
     loop with a custom step). Each step predicts with the forward pass before its update. ``amp``: ``train.amp``
-    (module docstring; fp16 on CUDA: a gradient scaler).
+    (module docstring; fp16 on CUDA: a gradient scaler). ``on_step(model, step)``, when given, is called after
+    every optimizer step (1, 2, ...; validation curves, ``pflseg.eval.routing_validation``).
 
     Returns:
         {"best": per-sample lowest-loss predictions ((C, H, W) bool each), "seconds", "steps", "visits":
@@ -227,18 +237,20 @@ def adapt(model: nn.Module, params: list, dataset: Dataset, device, weights: dic
     """
     optimizer = torch.optim.Adam(params, lr=lr)
     best = BestPredictions()
-    visits = 0
+    visits, done = 0, 0
     dtype = amp_dtype(amp, device)
     scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
 
     def step(m, batch, opt, _):
-        nonlocal visits
+        nonlocal visits, done
         opt.zero_grad(set_to_none=True)
-        loss, probs = unsupervised_loss(amp_model(m, dtype), batch["image"], weights, cfg["noise_std"],
-                                        cfg["rot_flip"], cfg["shape_radius"])
+        loss, probs = _loss(amp_model(m, dtype), batch["image"], weights, cfg)
         best.update([_key(batch, i) for i in range(len(batch["case"]))], loss, probs > 0.5)
         backward_step(loss.mean(), opt, scaler)
         visits += len(batch["case"])
+        done += 1
+        if on_step is not None:
+            on_step(m, done)
         return float(loss.mean().detach())
 
     seed_everything(seed)
@@ -269,8 +281,7 @@ def final_loss(model: nn.Module, dataset: Dataset, device, weights: dict, cfg: d
     total, count, foreground, overlap, sizes = 0.0, 0, 0.0, 0.0, 0.0
     try:
         for batch in make_loader(dataset, cfg["batch_size"], shuffle=True, seed=seed):
-            loss, probs = unsupervised_loss(forward, batch["image"].to(device), weights, cfg["noise_std"],
-                                            cfg["rot_flip"], cfg["shape_radius"])
+            loss, probs = _loss(forward, batch["image"].to(device), weights, cfg)
             total += float(loss.double().sum())
             pred = (probs > 0.5).cpu()
             foreground += float(pred.flatten(1).double().mean(1).sum())
@@ -473,7 +484,7 @@ def mean_coefficients(routed: nn.Module, dataset: Dataset, device, batch_size: i
 
 def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Dataset, device, cfg: dict, seed: int = 0,
                out_dir: str | Path | None = None, label_encoding: str = "nested", comparators: bool | list = True,
-               batch_size: int = 32, amp: str = "off") -> dict:
+               batch_size: int = 32, amp: str = "off", prior: Sequence[float] | None = None) -> dict:
     """Route ``dataset`` through the bundle and score every method (see the module docstring).
 
     Args:
@@ -488,6 +499,8 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
         comparators: True: score every method of ``METHODS``; False: routing only; a list: routing and these.
         batch_size: batch of :func:`mean_coefficients` (no gradient).
         amp: ``train.amp`` (off | bf16 | fp16) of every method's forward passes (module docstring).
+        prior: the size prior, one foreground fraction per class (the inside sites' training labels, shared with
+            the bundle); needed when ``cfg["size_prior"]`` > 0.
 
     Returns:
         {"n_images", "n_cases", "methods": {name: {"dice", "dice_per_class", "per_case", "seconds"}},
@@ -502,13 +515,18 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
     all_experts = [*experts, global_model]
     expert_names = [f"P_{k + 1}" for k in range(len(experts))] + ["w_g"]
     s = settings(cfg)
-    weights = loss_weights(s["loss_weights"], cfg["beta"], cfg["batch_size"])
-    cfg = {**cfg, "rot_flip": s["rot_flip"]}
+    weights = loss_weights(s["loss_weights"], cfg["beta"], cfg["batch_size"], s["size_prior"])
+    if s["size_prior"] and prior is None:
+        raise ValueError("iopfl.size_prior > 0 needs the inside sites' foreground fractions, which this bundle does "
+                         "not hold: route a bundle of a training run of this version, or set iopfl.size_prior: 0")
+    cfg = {**cfg, "rot_flip": s["rot_flip"], "shape_reduction": s["shape_reduction"],
+           "prior": None if prior is None else torch.tensor([float(x) for x in prior], device=device)}
     steps = budget(len(dataset), cfg)
     unknown = [m for m in comparators if m not in METHODS] if isinstance(comparators, list) else []
     if unknown:
         raise ValueError(f"iopfl.comparators: unknown {unknown}; known: {', '.join(METHODS)}")
-    methods = [m for m in METHODS if m == "routing" or comparators is True or (comparators and m in comparators)]
+    methods = [m for m in METHODS
+               if m in ("routing", "routing_final") or comparators is True or (comparators and m in comparators)]
     preds: dict[str, dict] = defaultdict(dict)
     seconds: dict[str, float] = {}
 
@@ -545,6 +563,9 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
         del start
         routed, run = route_with_lr(build, dataset, device, weights, cfg, seed, start_foreground, start_preds, amp)
         preds[name] = start_preds if run["refused"] else run["best"].pred  # refused: the starting model's
+        if name == "routing":  # the final routed model itself, beside its per-sample lowest-loss predictions
+            preds["routing_final"] = predict(routed, dataset, device, cfg["batch_size"], seed, amp)
+            seconds["routing_final"] = run["seconds"]
         seconds[name] = run["seconds"]
         kept_seconds[name] = run["run_seconds"] / run["visits"]
         coefficients[name] = mean_coefficients(routed, dataset, device, batch_size, start=coef_0, amp=amp)
@@ -553,9 +574,12 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
                             "start_foreground": start_foreground, "foreground": run["foreground"],
                             "agreement": run["agreement"], "refused": run["refused"]}
     tent_note = None
-    tent_steps = {"tent": None, "tent_epochs": steps}
+    tent_steps = {"tent": None, "tent_epochs": steps, "tent_average": None}
+    average = copy.deepcopy(global_model)
+    average.load_state_dict(average_states([m.state_dict() for m in all_experts]))
     for name in [m for m in methods if m in tent_steps]:
-        adapted = tent(copy.deepcopy(global_model), dataset, device, cfg, seed, tent_steps[name], amp)
+        start_model = average if name == "tent_average" else global_model  # online Tent from w_g or the Average
+        adapted = tent(copy.deepcopy(start_model), dataset, device, cfg, seed, tent_steps[name], amp)
         if adapted is None:
             tent_note = "the network's normalisation layers have no affine parameters: Tent has nothing to adapt"
             methods.remove(name)
@@ -589,7 +613,7 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
         result["methods"][name] = {**case_dice(by_case, names, lambda _, n=name: n), "seconds": seconds[name]}
     result["diagnostics"] = {
         "settings": {**s, "steps": steps, "lr_trial_steps": min(cfg.get("lr_trial_steps") or steps, steps),
-                     "loss_weights_values": weights, "shape": "sum over pixels"},
+                     "loss_weights_values": weights, "prior": None if prior is None else [float(x) for x in prior]},
         "experts": {"names": expert_names, "relative_distance": relative_distances(all_experts),
                     **({"dice": [dice(f"expert{e}") for e in range(len(all_experts))],
                         "dice_bn": [dice(f"expert{e}_bn") for e in range(len(all_experts))]} if static is not None

@@ -385,3 +385,31 @@ def test_frozen_features_follow_the_local_models_mode():
     train_feats = frozen_features(global_model, model.train(), unet_features, images)
     eval_feats = frozen_features(global_model, model.eval(), unet_features, images)
     assert not torch.allclose(train_feats, eval_feats, atol=1e-3)  # the mode really matters here
+
+
+@pytest.mark.parametrize("inner_lr", [0.0, 0.1])
+def test_both_gradients_is_the_sum_of_the_two_plain_gradients_in_closed_form(inner_lr):
+    """Linear model y = w x, loss mean (w x - y)^2, SGD (lr 1), plain inner step: with meta_grad both the update is
+    -(g1(w) + g2(w')), w' = w - inner_lr g1(w), g_i the closed-form gradient 2 X_i^T (X_i w - y_i) / n_i on half i;
+    with meta_grad meta it is -g2(w') alone."""
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 1, dtype=torch.float64)
+    w0 = torch.randn(1, 3, dtype=torch.float64)
+
+    def grad(w, xs, ys):  # d/dw mean((xs w^T - ys)^2), w (1, 3)
+        return (2 * (xs @ w.T - ys).T @ xs / xs.shape[0])
+
+    g1 = grad(w0, x[:3], y[:3])
+    w_prime = w0 - inner_lr * g1
+    expected = {"both": w0 - (g1 + grad(w_prime, x[3:], y[3:])), "meta": w0 - grad(w_prime, x[3:], y[3:])}
+    for mode, want in expected.items():
+        model = nn.Linear(3, 1, bias=False).double()
+        with torch.no_grad():
+            model.weight.copy_(w0)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        meta_step(model, {"image": x, "label": y}, opt, nn.functional.mse_loss, inner_lr=inner_lr, beta=0.0,
+                  align_fn=None, global_model=None, inner="sgd", meta_grad=mode)
+        assert torch.allclose(model.weight.detach(), want, atol=1e-12), mode
+    with pytest.raises(ValueError, match="meta_grad"):
+        meta_step(model, {"image": x, "label": y}, opt, nn.functional.mse_loss, inner_lr=0.0, beta=0.0,
+                  align_fn=None, global_model=None, meta_grad="sum")

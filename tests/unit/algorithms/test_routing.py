@@ -15,7 +15,9 @@ from pflseg.algorithms.routing import (
     loss_weights,
     relative_distances,
     router_parameters,
+    consistency,
     shape_loss,
+    size_prior,
     unsupervised_loss,
     use_batch_stats,
 )
@@ -154,19 +156,22 @@ def test_shape_loss_zero_on_constant_positive_on_checkerboard():
     const = torch.full((2, 1, 8, 8), 0.7)
     assert torch.allclose(shape_loss(const, 1), torch.zeros(2))
     board = ((torch.arange(8)[:, None] + torch.arange(8)[None]) % 2).float()[None, None]
-    assert torch.allclose(shape_loss(board, 1), torch.tensor([64.0]))  # every 3x3 window holds a 0 and a 1
+    assert torch.allclose(shape_loss(board, 1), torch.tensor([1.0]))  # every 3x3 window holds a 0 and a 1
+    assert torch.allclose(shape_loss(board, 1, "sum"), torch.tensor([64.0]))
 
 
-def test_shape_term_is_the_papers_sum_over_pixels_and_scales_with_h_times_w():
+def test_shape_term_is_a_pixel_mean_by_default_and_the_papers_sum_scales_with_h_times_w():
     def board(n):
         return ((torch.arange(n)[:, None] + torch.arange(n)[None]) % 2).float()[None, None]
 
-    small, large = shape_loss(board(8), 1), shape_loss(board(16), 1)
+    small, large = shape_loss(board(8), 1, "sum"), shape_loss(board(16), 1, "sum")
     assert torch.allclose(large / small, torch.tensor([(16 * 16) / (8 * 8)]))  # the sum grows with H x W
-    assert torch.allclose(shape_loss(board(8), 1, "mean"), shape_loss(board(16), 1, "mean"))  # a mean would not
-    logits = 20 * board(16) - 10  # the loss the routers minimise uses the sum form
-    loss, _ = unsupervised_loss(lambda x: logits, torch.zeros(1, 1, 16, 16), {"shape": 1.0}, radius=1)
-    assert torch.allclose(loss, torch.tensor([256.0]), rtol=1e-3)
+    assert torch.allclose(shape_loss(board(8), 1), shape_loss(board(16), 1))  # the mean does not
+    logits = 20 * board(16) - 10
+    for reduction, want in (("mean", 1.0), ("sum", 256.0)):  # the loss the routers minimise follows the setting
+        loss, _ = unsupervised_loss(lambda x: logits, torch.zeros(1, 1, 16, 16), {"shape": 1.0}, radius=1,
+                                    shape_reduction=reduction)
+        assert torch.allclose(loss, torch.tensor([want]), rtol=1e-3)
 
 
 @pytest.mark.parametrize("n_experts", [2, 3, 6])
@@ -272,3 +277,78 @@ def test_bad_router_is_named_and_the_old_global_name_points_to_the_new_ones():
         build_routed_model(experts(2), router="mlp")
     with pytest.raises(ValueError, match="'model' is the paper's IOP-FL \\(Global\\)"):
         build_routed_model(experts(2), router="global")
+
+
+def disc(size=64, radius=12.0, edge=1.0, shift=0.0):
+    """A soft disc's sigmoid probabilities (1, 1, size, size): the organ of a 64 px slice."""
+    yy, xx = torch.meshgrid(torch.arange(size, dtype=torch.float32), torch.arange(size, dtype=torch.float32),
+                            indexing="ij")
+    dist = ((yy - size / 2 - shift) ** 2 + (xx - size / 2) ** 2).sqrt()
+    return torch.sigmoid((radius - dist) / edge)[None, None]
+
+
+@pytest.mark.parametrize("value", [0.0, 1.0])
+def test_every_term_is_zero_on_a_constant_map(value):
+    const = torch.full((2, 1, 32, 32), value)
+    assert torch.equal(shape_loss(const), torch.zeros(2)) and torch.equal(shape_loss(const, reduction="sum"),
+                                                                          torch.zeros(2))
+    assert entropy(const).max() < 2e-5  # clamped at 1e-6: ~1.4e-5 nats
+    assert torch.equal(consistency(const, const), torch.zeros(2))
+    prior = torch.tensor([min(max(value, 1e-6), 1 - 1e-6)])
+    assert size_prior(const, prior).abs().max() < 1e-6
+
+
+def test_the_weighted_terms_of_a_64px_disc_are_commensurate_and_the_sum_form_is_not():
+    """Paper weights (1, beta, beta), per-pixel means: on a 64 px disc of radius 12 with a 1 px soft edge, a
+    prediction under noise that moves the edge by 1 px, and a fraction 20 % below the prior, every weighted term
+    lies within a factor 30 of every other; the paper's summed shape term is H x W times the mean and outweighs
+    the others more than 100-fold (the perimeter penalty)."""
+    p, p_noisy = disc(), disc(shift=1.0)
+    w = loss_weights("paper", 0.01, size=1.0)
+    q = float(p.mean())
+    terms = {"cons": w["cons"] * float(consistency(p, p_noisy)), "shape": w["shape"] * float(shape_loss(p)),
+             "ent": w["ent"] * float(entropy(p)), "size": w["size"] * float(size_prior(p, torch.tensor([q / 0.8])))}
+    assert all(v > 0 for v in terms.values()), terms
+    assert max(terms.values()) / min(terms.values()) < 30, terms
+    summed = w["shape"] * float(shape_loss(p, reduction="sum"))
+    assert summed == pytest.approx(terms["shape"] * 64 * 64, rel=1e-5)
+    assert summed > 100 * max(terms["cons"], terms["ent"], terms["size"]), (summed, terms)
+
+
+@pytest.mark.parametrize("fraction", [0.05, 0.3])
+def test_the_size_priors_gradient_points_towards_the_prior(fraction):
+    """Gradient descent on L_size raises every logit when the predicted fraction is below the prior, lowers it
+    when above, and L_size is 0 with a vanishing gradient at the prior."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 2, 16, 16)
+    q = torch.sigmoid(logits).transpose(0, 1).flatten(1).mean(1)  # (C,)
+    for prior, sign in ((q + fraction, -1.0), ((q - fraction).clamp(min=0.01), 1.0)):
+        x = logits.clone().requires_grad_(True)
+        size_prior(torch.sigmoid(x), prior).mean().backward()
+        assert (torch.sign(x.grad) == sign).all()
+    x = logits.clone().requires_grad_(True)
+    loss = size_prior(torch.sigmoid(x), q)
+    loss.mean().backward()
+    assert float(loss.abs().max()) < 1e-6 and float(x.grad.abs().max()) < 1e-6
+
+
+def test_size_prior_is_one_value_per_batch_and_names_a_bad_prior():
+    p = torch.rand(3, 2, 8, 8)
+    out = size_prior(p, torch.tensor([0.1, 0.2]))
+    assert out.shape == (3,) and torch.equal(out, out[:1].expand(3))
+    with pytest.raises(ValueError, match="prior"):
+        size_prior(p, torch.tensor([0.1]))
+    with pytest.raises(ValueError, match="no prior"):
+        unsupervised_loss(lambda x: x, torch.zeros(1, 1, 4, 4), {"size": 1.0})
+    with pytest.raises(ValueError, match="size"):
+        loss_weights("paper", size=-1.0)
+
+
+def test_unsupervised_loss_adds_the_size_prior_and_uses_the_mean_shape_by_default():
+    logits = torch.logit(disc(32, 6.0).clamp(1e-4, 1 - 1e-4))
+    prior = torch.tensor([0.5])
+    base, _ = unsupervised_loss(lambda x: logits, torch.zeros(1, 1, 32, 32), {"shape": 1.0}, radius=1)
+    assert torch.allclose(base, shape_loss(torch.sigmoid(logits), 1, "mean"))
+    both, _ = unsupervised_loss(lambda x: logits, torch.zeros(1, 1, 32, 32), {"shape": 1.0, "size": 2.0}, radius=1,
+                                prior=prior)
+    assert torch.allclose(both - base, 2.0 * size_prior(torch.sigmoid(logits), prior))

@@ -162,6 +162,8 @@ KINDS = {
     "count": (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0, "an integer >= 0"),
     "dict": (lambda v: isinstance(v, dict) and _json_ok(v), "a dict of JSON data"),
     "list": (lambda v: isinstance(v, list) and _json_ok(v), "a list of JSON data"),
+    "fractions": (lambda v: isinstance(v, list) and len(v) > 0 and all(is_number(x) and 0 <= x <= 1 for x in v),
+                  "a non-empty list of numbers in [0, 1]"),
 }
 
 

@@ -15,7 +15,7 @@ from nvflare.app_common.abstract.fl_model import FLMetaKey
 
 from pflseg.algorithms.alignment import ALIGNMENTS
 from pflseg.algorithms.grace import MODES, SELF_MODES, grace_keys, grace_step
-from pflseg.algorithms.grace_meta import INNER_STEPS
+from pflseg.algorithms.grace_meta import INNER_STEPS, META_GRADS
 from pflseg.config import check_choice, check_lr
 from pflseg.flare.controllers.fedavg import FedAvgController
 from pflseg.flare.guard import robust_args
@@ -30,7 +30,7 @@ class GraceController(FedAvgController):
         for key in ("grace.inner_lr", "grace.eta_g"):
             check_lr(cfg, key, source)
         for key, allowed in (("similarity", MODES), ("self_similarity", SELF_MODES), ("align", ALIGNMENTS),
-                             ("inner_step", INNER_STEPS)):
+                             ("inner_step", INNER_STEPS), ("meta_grad", META_GRADS)):
             check_choice(cfg, f"grace.{key}", allowed, source)
 
     def restore(self) -> int:

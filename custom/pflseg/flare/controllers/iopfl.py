@@ -15,7 +15,7 @@ inside site is refused) and collects each site's routing and comparator Dice int
 from __future__ import annotations
 
 from pflseg.algorithms.iopfl import RULES
-from pflseg.algorithms.routing import LOSS_WEIGHTS, RESTS, ROUTERS
+from pflseg.algorithms.routing import LOSS_WEIGHTS, RESTS, ROUTERS, SHAPE_REDUCTIONS
 from pflseg.config import ConfigError, check_choice
 from pflseg.flare.controllers.base import PostTrainingController
 from pflseg.flare.controllers.fedavg import FedAvgController
@@ -40,6 +40,10 @@ class IOPFLSection:
         check_choice(cfg, "iopfl.router", ROUTERS, source)
         check_choice(cfg, "iopfl.loss_weights", (None, *LOSS_WEIGHTS), source)  # null = the router variant's own
         check_choice(cfg, "iopfl.rest", (None, *RESTS), source)
+        check_choice(cfg, "iopfl.shape_reduction", SHAPE_REDUCTIONS, source)
+        prior = iopfl["size_prior"]
+        if isinstance(prior, bool) or not isinstance(prior, (int, float)) or not 0 <= prior <= 1000:
+            raise ConfigError(f"{source}: iopfl.size_prior must be a weight in [0, 1000] (0 = off), got {prior!r}")
         for key in ("norm_affine", "rot_flip"):  # null = the router variant's own
             if iopfl[key] is not None and not isinstance(iopfl[key], bool):
                 raise ConfigError(f"{source}: iopfl.{key} must be true, false or null, got {iopfl[key]!r}")
@@ -65,7 +69,7 @@ class IOPFLSection:
 
 
 class IOPFLController(IOPFLSection, FedAvgController):
-    task_meta = {"submit_model": {"round": "count"}}
+    task_meta = {"submit_model": {"round": "count", "fg_fraction": "fractions"}}
 
     def after_test(self, results: dict) -> dict:
         """With ``iopfl.publish``: every site submits its best P_k; the server writes the routing bundle. Returns
@@ -75,6 +79,7 @@ class IOPFLController(IOPFLSection, FedAvgController):
         subs = self.send_each("submit_model", {s: self.message(self.n_rounds()) for s in self.sites},
                               reference=prefixed(SITE, self.global_state))
         bundle = {"sites": sorted(subs), "person_round": {s: int(res.meta["round"]) for s, res in subs.items()},
+                  "fg_fraction": {s: [float(x) for x in res.meta["fg_fraction"]] for s, res in subs.items()},
                   **prefixed(GLOBAL, self.best_state or self.global_state),
                   **by_site(PERSON, {site: unprefixed(SITE, res.params) for site, res in subs.items()})}
         path = self.store.root / BUNDLE
@@ -104,7 +109,10 @@ class IOPFLRoutingController(IOPFLSection, PostTrainingController):
                              + ("; ".join(problems) or f"no outside site connected (inside: {inside})")
                              + ". Test-time routing runs at outside sites only: list those in iopfl.targets")
         payload = only(bundle, GLOBAL, PERSON)
-        self.info(f"routing bundle {path}: experts P_k of {inside} + global; sending to {targets}")
-        res = self.send_each("route", {t: self.message(0, payload, inside_sites=inside) for t in targets})
-        return {"inside_sites": inside, "targets": targets, "bundle": str(path),
+        fractions = bundle.get("fg_fraction")  # bundles written before the size prior have none
+        prior = [sum(col) / len(col) for col in zip(*fractions.values())] if fractions else None
+        self.info(f"routing bundle {path}: experts P_k of {inside} + global; size prior {prior}; sending to {targets}")
+        res = self.send_each("route", {t: self.message(0, payload, inside_sites=inside, prior=prior)
+                                       for t in targets})
+        return {"inside_sites": inside, "targets": targets, "bundle": str(path), "prior": prior,
                 "route": {s: r.metrics["route"] for s, r in res.items()}}

@@ -58,7 +58,7 @@ class GraceSite(FedAvgSite):
         self.inner = {"inner_norm_sum": 0.0, "outer_norm_sum": 0.0, "inner_steps": 0, "task_loss_sum": 0.0}
         step = functools.partial(meta_step, inner_lr=grace["inner_lr"], beta=grace["beta"], align_fn=align,
                                  global_model=frozen, feature_fn=unet_features, split=grace["split"],
-                                 inner=grace["inner_step"], record=self.inner)
+                                 inner=grace["inner_step"], record=self.inner, meta_grad=grace["meta_grad"])
         return Hooks(step=step), disc
 
     def round_metrics(self) -> dict:

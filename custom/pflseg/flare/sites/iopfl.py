@@ -18,10 +18,11 @@ Routing (job ``iopfl_route``, ``IOPFLRoutingSite``, task ``route``): an outside 
 
 from __future__ import annotations
 
+import torch
 from nvflare.app_common.abstract.fl_model import FLModel
 
 from pflseg.algorithms.iopfl import update_person
-from pflseg.data import load_dataset_info
+from pflseg.data import load_dataset_info, site_dataset
 from pflseg.flare.policy import check_publish
 from pflseg.flare.settings import site_settings
 from pflseg.flare.sites.base import Site, Step, cpu_state
@@ -78,7 +79,14 @@ class IOPFLSite(Site):
         check_publish(self.name, self.cfg, site_settings(self.name))
         best = load_file(self.best_path)
         return FLModel(params=prefixed("site", unprefixed("model", best)),
-                       meta={"site": self.name, "round": best["round"]})
+                       meta={"site": self.name, "round": best["round"], "fg_fraction": self.label_fraction()})
+
+    def label_fraction(self) -> list[float]:
+        """Per class, the foreground fraction of the site's training labels (every slice of its training cases):
+        one number per class, the size prior of routing at outside sites (``pflseg.algorithms.routing``)."""
+        labels = site_dataset(self.root, self.data_site, "training", size=self.cfg["data"]["size"])
+        stacked = torch.stack([torch.as_tensor(x["label"]).float() for x in labels])  # (N, C, H, W)
+        return stacked.transpose(0, 1).flatten(1).mean(1).tolist()
 
 
 class IOPFLRoutingSite(Site):
@@ -103,5 +111,6 @@ class IOPFLRoutingSite(Site):
                             out_dir=self.store.root / "predictions",
                             label_encoding=load_dataset_info(self.root)["label_encoding"],
                             comparators=self.cfg["iopfl"]["comparators"],
-                            batch_size=self.cfg["train"]["eval_batch_size"], amp=self.cfg["train"]["amp"])
+                            batch_size=self.cfg["train"]["eval_batch_size"], amp=self.cfg["train"]["amp"],
+                            prior=msg.meta.get("prior"))
         return self.reply({}, {"route": result})
