@@ -108,6 +108,8 @@ def index_report(
     meta = {"name": root.name, "task": "prostate", "classes": ["prostate"], "label_encoding": "nested",
             "in_channels": 1}
     ignored: list[str] = []
+    problems: list[Problem] = []  # every problem, found in one pass, raised together
+    missing: list[str] = []  # unpaired files (generic)
     if layout == "saml":
         sites = _saml(root)
     elif layout == "nvflare_prostate":
@@ -118,28 +120,25 @@ def index_report(
         sites = _published_split(root, "Domain*", ("ROIs/image", "ROIs/mask"), _FUNDUS_MAP, slices=False)
         meta.update(task="fundus", classes=["disc", "cup"], in_channels=3)
     else:
-        sites = _generic(root, Path(os.path.abspath(out)), ignored)
-    if not sites:
+        sites = _generic(root, Path(os.path.abspath(out)), ignored, problems, missing)
+    if not sites and not problems and not missing:
         raise DataError(f"{root}: no sites found for layout {layout!r} ({LAYOUTS[layout]}). "
                         "Fix: point --root at the folder holding the site folders, or pick the matching layout")
-    scans, problems = _scan(sites)
-    if problems:
-        raise problems_error(problems, root)
-    problems = _shape_problems(sites, scans)
+    scans, unreadable_files = _scan(sites)
+    problems += unreadable_files + _shape_problems(sites, scans)
     notes: dict[str, list[str]] = {site: [] for site in sites}
     if layout == "generic":
         problems += _mask_problems(sites, scans, classes, mask_threshold, notes)
-    if problems:
-        raise problems_error(problems, root)
+    if problems or missing:
+        raise _all_problems(problems, missing, root)
     if layout == "generic":
         meta.update(_generic_meta(sites, scans, classes))
     splits = {site: _assign_splits(site, records, seed, val_fraction, test_fraction) for site, records in sites.items()}
     for site, entries in splits.items():  # a training site needs every split; an outside site only its images
         if any("label" in r for r in sites[site]):
-            notes[site] += ["warning: "
-                            f"{empty_split(site, root / site, split, len({r['case'] for r in sites[site]})).problem}"
-                            " - it cannot train or pick its best model (it can be an outside site); give it at "
-                            "least 3 cases" for split in ("validation", "testing") if not entries.get(split)]
+            cases = len({r["case"] for r in sites[site]})
+            notes[site] += [f"warning: {_rule(empty_split(site, root / site, split, cases))}"  # data check's words
+                            for split in ("validation", "testing") if not entries.get(split)]
     claim_out(out, name=meta["name"], layout=layout, writes=list(sites))
     summaries = []
     for site, records in sites.items():
@@ -152,6 +151,11 @@ def index_report(
     write_dataset_json(out, sites=list(sites), layout=layout, train_size=train_size, **meta)
     info = dict(meta, sites=list(sites), layout=layout, train_size=train_size)
     return IndexReport(root=root, out=out, layout=layout, info=info, sites=summaries, ignored=ignored)
+
+
+def _rule(problem: Problem) -> str:
+    """A problem's words without its file: ``"<problem>. Fix: <fix>"``."""
+    return f"{problem.problem}. Fix: {problem.fix}"
 
 
 def _assign_splits(site, records, seed, val_fraction, test_fraction) -> dict[str, list[dict]]:
@@ -176,12 +180,24 @@ def _images(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_file() and is_image_file(p) and not p.name.startswith("."))
 
 
+def _unpaired_text(missing: list[str]) -> str:
+    lines = "\n".join(f"  - {m}" for m in missing)
+    return (f"{len(missing)} unpaired file(s):\n{lines}\n"
+            "Fix: add the missing files or move the unpaired ones out of the data folder")
+
+
 def _raise_unpaired(missing: list[str]) -> None:
     """Raises one DataError for all images without masks / masks without images."""
     if missing:
-        lines = "\n".join(f"  - {m}" for m in missing)
-        raise DataError(f"{len(missing)} unpaired file(s):\n{lines}\n"
-                        "Fix: add the missing files or move the unpaired ones out of the data folder")
+        raise DataError(_unpaired_text(missing))
+
+
+def _all_problems(problems: list[Problem], missing: list[str], root: Path) -> DataError:
+    """One DataError for every problem and every unpaired file found (each part as it reads alone)."""
+    if not problems:
+        return DataError(_unpaired_text(missing))
+    error = problems_error(problems, root)
+    return DataError(f"{error}\n{_unpaired_text(missing)}", problems) if missing else error
 
 
 def _saml(root: Path) -> dict[str, list[dict]]:
@@ -279,19 +295,33 @@ def _published_split(root: Path, pattern: str, sub: tuple[str, str], label_map: 
     return sites
 
 
-def _generic(root: Path, out: Path, ignored: list[str]) -> dict[str, list[dict]]:
+def _generic(root: Path, out: Path, ignored: list[str], problems: list[Problem],
+             missing: list[str]) -> dict[str, list[dict]]:
     """Generic: <site>/{images,masks}/ or <site>/{train,test}/{images,masks}/, paired by file stem.
 
-    Folders that hold none of images/, masks/, train/, test/ are not sites: they are listed in
-    ``ignored`` (the output folder, when it lies inside ``root``, is passed over).
+    Folders that hold none of images/, masks/, train/, test/ are not sites, and files and folders a site does not
+    read (``_strays``: a sub-folder of images/, a text file, a stray folder) are not indexed: each is listed in
+    ``ignored`` with the reason (the output folder, when it lies inside ``root``, is passed over). Layout problems
+    go to ``problems``, unpaired files to ``missing`` (the caller reports them with the files' own problems).
     """
-    sites, missing, problems = {}, [], []
+    sites = {}
+    ignored += _strays(root, {p.name for p in _site_dirs(root)}, "a file beside the site folders, not read")
     for site_dir in _site_dirs(root):
         site = site_dir.name
         if site_dir == out:
             continue
         flat = [name for name in ("images", "masks") if (site_dir / name).is_dir()]
         parts = [part for part in _GENERIC_PARTS if (site_dir / part).is_dir()]
+        if flat or parts:
+            holds = "images/ and masks/" if flat else "train/ and test/"
+            ignored += _strays(site_dir, set(flat or parts), f"not read (a site folder holds {holds} only)")
+            for base in [site_dir / part for part in parts] or [site_dir]:
+                folders = [base / n for n in ("images", "masks") if (base / n).is_dir()]
+                if parts:
+                    ignored += _strays(base, {f.name for f in folders}, f"not read ({base.name}/ holds images/ "
+                                                                         "and masks/ only)")
+                for folder in folders:
+                    ignored += _strays(folder, set(), "", images=True)
         if flat and parts:
             problems.append(Problem(site, str(site_dir), f"holds both {'/, '.join(flat)}/ and {'/, '.join(parts)}/",
                                     "keep either <site>/images + <site>/masks, or <site>/train and <site>/test "
@@ -323,10 +353,29 @@ def _generic(root: Path, out: Path, ignored: list[str]) -> dict[str, list[dict]]
         elif len(missing) == n_missing:  # no files at all (unpaired ones are reported below)
             problems.append(Problem(site, str(site_dir), "no image files in its images/ and masks/ folders",
                                     "add the site's images and masks (PNG, JPEG or NIfTI), or remove the site folder"))
-    _raise_unpaired(missing)
-    if problems:
-        raise problems_error(problems, root)
     return sites
+
+
+#: files of pflseg's own in a data folder indexed in place (``--out`` = ``--root``): not strays
+_OWN_FILES = ("dataset.json", "datalist.json")
+
+
+def _strays(folder: Path, keep: set[str], why: str, images: bool = False) -> list[str]:
+    """What indexing passes over in ``folder``, one ``"<path>: <why>"`` each: every visible entry not named in
+    ``keep``; in an images/ or masks/ folder (``images``) its sub-folders and the files that are no image. Hidden
+    entries (``.DS_Store``, ``.git``) and pflseg's own files (``_OWN_FILES``) are not listed."""
+    out = []
+    for entry in sorted(folder.iterdir()):
+        if entry.name.startswith(".") or entry.name in keep or entry.name in _OWN_FILES:
+            continue
+        if images:
+            if entry.is_dir():
+                out.append(f"{entry}: a sub-folder of {folder.name}/ (only files directly in {folder.name}/ are read)")
+            elif not is_image_file(entry):
+                out.append(f"{entry}: not an image file (PNG, JPEG or NIfTI)")
+        elif entry.is_file() or not entry.name.startswith("_"):
+            out.append(f"{entry}: {why}")
+    return out
 
 
 def _scan(sites: dict[str, list[dict]]) -> tuple[dict[str, FileScan], list[Problem]]:
@@ -362,7 +411,7 @@ def _shape_problems(sites: dict[str, list[dict]], scans: dict[str, FileScan]) ->
     return [
         shape_mismatch(site, r["image"], r["label"], scans[r["image"]].image_shape, scans[r["image"]].mask_shape)
         for site, records in sites.items() for r in records
-        if "label" in r and scans[r["image"]].image_shape != scans[r["image"]].mask_shape
+        if "label" in r and r["image"] in scans and scans[r["image"]].image_shape != scans[r["image"]].mask_shape
     ]
 
 
@@ -383,7 +432,10 @@ def _mask_problems(
         if not any("label" in r for r in records):  # an outside site without masks
             notes[site].append("no masks: an outside site (images only, all testing)")
             continue
-        decision = site_encoding(site, [scans[r["image"]].mask for r in records], classes, mask_threshold)
+        read = [scans[r["image"]].mask for r in records if r["image"] in scans]  # unreadable ones are reported
+        if not read:
+            continue
+        decision = site_encoding(site, read, classes, mask_threshold)
         if isinstance(decision, Problem):
             problems.append(decision)
             continue

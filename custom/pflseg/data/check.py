@@ -123,10 +123,24 @@ def is_unlabeled_outside(datalist: dict) -> bool:
 def empty_split(site: str, datalist: str | Path, split: str, n_cases: int) -> Problem:
     """A training site whose validation or test split has no case (best-model choice or the final test would
     have nothing to score)."""
-    return Problem(site, str(datalist), f"the {split} split is empty ({n_cases} case(s) in all)",
+    why = {"validation": "the site cannot pick its best model", "testing": "the site cannot be tested"}.get(split, "")
+    return Problem(site, str(datalist), f"the {split} split is empty ({n_cases} case(s) in all)" + (f": {why}" if why
+                                                                                                  else ""),
                    "give the site at least 3 cases (training, validation and test each get one), or a published "
                    "test part and 2 training cases; a site that only adapts (outside site) may stay as it is",
                    "empty_split")
+
+
+def empty_split_error(root: str | Path, site: str, split: str) -> DataError:
+    """``empty_split`` as the error a site raises when a job needs the empty ``split`` of its data (the words of
+    ``pflseg data check``, ``data index`` and ``pflseg run``)."""
+    path = Path(root) / site / DATALIST_JSON
+    try:
+        datalist = read_datalist(root, site)
+        cases = len({str(e.get("case")) for s in SPLITS for e in datalist.get(s, []) if isinstance(e, dict)})
+    except DataError:
+        cases = 0
+    return empty_split(site, path, split, cases).error()
 
 
 def _check_entry(site, site_dir, split, k, entry, n_classes, in_channels) -> list[Problem]:

@@ -194,7 +194,7 @@ def read_datalist(root: str | Path, site: str) -> dict:
     path = Path(root) / site / DATALIST_JSON
     if not path.is_file():
         raise DataError(
-            f"[{site}] {path}: datalist not found. Fix: run `pflseg data index` (or make_synthetic) "
+            f"[{site}] {path}: datalist not found. Fix: run `pflseg data index` (or `pflseg data synth`) "
             f"for this root, or remove {site!r} from dataset.json"
         )
     try:
@@ -225,6 +225,56 @@ def _problem(path: Path, what: str, fix: str, code: str = "dataset_json_invalid"
     return Problem("", str(path), what, fix, code)
 
 
+#: sub-folders that mark a site folder of a layout ``pflseg data index`` reads (generic, nvflare_prostate, the
+#: published splits)
+RAW_MARKERS = ("images", "masks", "train", "test", "Image", "Mask")
+
+
+def raw_sites(root: Path, limit: int = 200) -> list[str]:
+    """The folders of ``root`` that look like the site folders of un-indexed data: holding ``RAW_MARKERS`` folders
+    or image files (the first ``limit`` entries of each are looked at); none when a folder holds a datalist.json
+    (an indexed root that lost its dataset.json)."""
+    from pflseg.data.files import is_image_file
+
+    found = []
+    try:
+        folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError:
+        return []
+    for folder in folders[:limit]:
+        try:
+            entries = [p for _, p in zip(range(limit), folder.iterdir())]
+        except OSError:
+            continue
+        if any(p.name == DATALIST_JSON for p in entries):  # an indexed site: the root lost its dataset.json
+            return []
+        if any(p.is_dir() and p.name in RAW_MARKERS or p.is_file() and is_image_file(p) for p in entries):
+            found.append(folder.name)
+    return found
+
+
+def missing_root(root: Path):
+    """The problem of a data root without dataset.json, in the user's terms: no such folder, a file, a raw folder
+    of images not indexed yet (``raw_sites``: "run `pflseg data index` first"), or a folder that is no data root."""
+    from pflseg.data.errors import Problem
+
+    make = "`pflseg data index` (your images and masks) or `pflseg data synth` (synthetic data)"
+    if not root.exists():
+        return Problem("", str(root), "data root not found (no such folder)",
+                       f"pass the folder that {make} wrote (it holds dataset.json)", "dataset_json_missing")
+    if not root.is_dir():
+        return Problem("", str(root), "is a file, not a data root folder",
+                       f"pass the folder that {make} wrote (it holds dataset.json)", "dataset_json_missing")
+    raw = raw_sites(root)
+    if raw:
+        shown = ", ".join(raw[:5]) + (f" and {len(raw) - 5} more" if len(raw) > 5 else "")
+        return Problem("", str(root), f"raw data, not indexed yet (no dataset.json; site folders {shown})",
+                       f"run `pflseg data index --layout generic --root {root} --out {root}-index` first (layouts: "
+                       f"`pflseg data index --help`), then pass {root}-index", "not_indexed")
+    return Problem("", str(root / DATASET_JSON), "dataset.json not found: not a data root",
+                   f"make one with {make}, or check that the path is right", "dataset_json_missing")
+
+
 def read_dataset_info(root: str | Path) -> tuple[dict | None, list]:
     """Reads and validates ``<root>/dataset.json``.
 
@@ -233,10 +283,10 @@ def read_dataset_info(root: str | Path) -> tuple[dict | None, list]:
         list of :class:`~pflseg.data.errors.Problem` saying why.
     """
     path = Path(root) / DATASET_JSON
-    fix = "regenerate it with `pflseg data index` / make_synthetic, or write it by hand (see pflseg.data.datalist)"
+    fix = ("make it again with `pflseg data index` (your images and masks) or `pflseg data synth` (synthetic), or "
+           "write it by hand (see pflseg.data.datalist)")
     if not path.is_file():
-        return None, [_problem(path, "dataset.json not found", f"{fix}; check that the data root is right",
-                               "dataset_json_missing")]
+        return None, [missing_root(Path(root))]
     try:
         info = json.loads(path.read_text())
     except (OSError, ValueError) as err:

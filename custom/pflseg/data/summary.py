@@ -178,7 +178,7 @@ class IndexReport:
         layout: The layout indexed.
         info: The dataset.json contents written.
         sites: One :class:`SiteSummary` per site, in dataset.json order.
-        ignored: Folders under ``root`` that were not taken as sites, with the reason.
+        ignored: Files and folders under ``root`` that were not indexed, each with the reason.
     """
 
     root: Path
@@ -196,5 +196,7 @@ class IndexReport:
             f"in_channels {info['in_channels']}, train_size {info.get('train_size', '-')}",
         ]
         lines += [str(s) for s in self.sites]
-        lines += [f"ignored {reason}" for reason in self.ignored]
+        if self.ignored:
+            lines.append(f"ignored {len(self.ignored)} file(s) or folder(s) under {self.root} (not indexed):")
+            lines += [f"  - {reason}" for reason in self.ignored]
         return "\n".join(lines)

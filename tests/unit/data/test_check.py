@@ -180,3 +180,43 @@ def test_training_stops_with_the_same_message(clean_root):
     image.write_bytes(image.read_bytes()[:100])
     with pytest.raises(DataError, match=r"\[site-2\] .*cannot read"):
         site_dataset(clean_root, "site-2", "training")
+
+
+def test_a_data_root_that_is_not_there_or_not_indexed_says_what_to_run(tmp_path):
+    (problem,) = check_dataset(tmp_path / "nope")
+    assert str(problem) == (f"{tmp_path / 'nope'}: data root not found (no such folder). Fix: pass the folder that "
+                            "`pflseg data index` (your images and masks) or `pflseg data synth` (synthetic data) wrote "
+                            "(it holds dataset.json)")
+    raw = tmp_path / "raw"
+    write_png(raw / "HospitalA" / "images" / "a.png", np.zeros((4, 4)))
+    write_png(raw / "HospitalA" / "masks" / "a.png", np.zeros((4, 4)))
+    (problem,) = check_dataset(raw)
+    assert problem.code == "not_indexed" and "raw data, not indexed yet (no dataset.json; site folders HospitalA)" \
+        in str(problem)
+    assert f"run `pflseg data index --layout generic --root {raw} --out {raw}-index` first" in str(problem)
+    (tmp_path / "empty").mkdir()
+    (problem,) = check_dataset(tmp_path / "empty")
+    assert "dataset.json not found: not a data root" in str(problem)
+    for p in (tmp_path / "nope", raw, tmp_path / "empty"):
+        assert "make_synthetic" not in str(check_dataset(p)[0])  # no internal names
+
+
+def test_an_empty_split_reads_the_same_in_check_index_and_at_the_site(tmp_path):
+    from pflseg.data.check import empty_split_error
+
+    raw = tmp_path / "raw"
+    for site, n in (("big", 3), ("one", 1)):
+        for k in range(n):
+            write_png(raw / site / "images" / f"c{k}.png", np.arange(16).reshape(4, 4))
+            mask = np.zeros((4, 4))
+            mask[1:3, 1:3] = 1
+            write_png(raw / site / "masks" / f"c{k}.png", mask)
+    from pflseg.data import index_report
+
+    report = index_report("generic", raw, tmp_path / "out")
+    (one,) = [s for s in report.sites if s.site == "one"]
+    problems = {p.problem + ". Fix: " + p.fix for p in check_dataset(tmp_path / "out") if p.site == "one"}
+    assert {n[len("warning: "):] for n in one.notes if n.startswith("warning: the")} == problems
+    assert len(problems) == 2  # validation and testing, each with its reason
+    site_error = str(empty_split_error(tmp_path / "out", "one", "validation"))
+    assert any(site_error.endswith(p) for p in problems) and "cannot pick its best model" in site_error

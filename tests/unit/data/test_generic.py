@@ -425,8 +425,29 @@ def test_other_folders_are_reported_not_indexed(tmp_path):
     report = index_report("generic", raw, raw / "index")  # again: the output folder is not a site
     assert _info(raw / "index")["sites"] == ["s"]
     assert report.ignored == [f"{raw / 'docs'}: not a site folder (no images/, masks/, train/ or test/ inside)"]
-    assert str(report).endswith(f"\nignored {raw / 'docs'}: not a site folder (no images/, masks/, train/ or test/ "
-                                "inside)")
+    assert str(report).endswith(f"\nignored 1 file(s) or folder(s) under {raw} (not indexed):\n  - {raw / 'docs'}: not "
+                                "a site folder (no images/, masks/, train/ or test/ inside)")
+
+
+def test_files_a_site_does_not_read_are_counted_and_named(tmp_path):
+    raw = tmp_path / "raw"
+    _tree(raw, {"s": 3, "t": 3})
+    _save(raw / "s/images/more/case09.png", _gray())  # a sub-folder of images/: not read
+    (raw / "s/images/notes.txt").write_text("x")
+    (raw / "s/README.md").write_text("x")
+    (raw / "t/masks/old").mkdir()  # a sub-folder of masks/: not read
+    (raw / "readme.txt").write_text("x")
+    (raw / "s/images/.DS_Store").write_text("x")  # hidden: not listed
+    report = index_report("generic", raw, tmp_path / "out")
+    assert report.ignored == [
+        f"{raw / 'readme.txt'}: a file beside the site folders, not read",
+        f"{raw / 's/README.md'}: not read (a site folder holds images/ and masks/ only)",
+        f"{raw / 's/images/more'}: a sub-folder of images/ (only files directly in images/ are read)",
+        f"{raw / 's/images/notes.txt'}: not an image file (PNG, JPEG or NIfTI)",
+        f"{raw / 't/masks/old'}: a sub-folder of masks/ (only files directly in masks/ are read)",
+    ]
+    assert f"ignored 5 file(s) or folder(s) under {raw} (not indexed):" in str(report)
+    assert _info(tmp_path / "out")["sites"] == ["s", "t"]
 
 
 def test_shape_mismatch_is_found_at_indexing(tmp_path):
@@ -439,6 +460,23 @@ def test_shape_mismatch_is_found_at_indexing(tmp_path):
         f"1 problem(s) in dataset {raw}:\n"
         f"  - [s] {raw / 's/masks/case01.png'}: mask shape (8, 13) differs from image {raw / 's/images/case01.png'} "
         "shape (8, 12). Fix: pair the mask with its own image, or resample the mask onto the image grid")
+
+
+def test_every_bad_mask_is_reported_in_one_pass(tmp_path):
+    raw = tmp_path / "raw"
+    _tree(raw, {"a": 3, "b": 3})
+    (raw / "a/masks/case01.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    _save(raw / "b/masks/case02.png", np.zeros((H, W + 1), np.uint8))
+    _save(raw / "b/images/extra.png", _gray())
+    with pytest.raises(DataError) as err:
+        index_dataset("generic", raw, tmp_path / "out")
+    text = _error(err)
+    assert text.startswith(f"2 problem(s) in dataset {raw}:\n  - [a] {raw / 'a/masks/case01.png'}: cannot read file")
+    assert f"  - [b] {raw / 'b/masks/case02.png'}: mask shape (8, 13) differs" in text
+    assert text.endswith(f"1 unpaired file(s):\n  - [b] {raw / 'b/images/extra.png'}: no mask named extra.* in "
+                         f"{raw / 'b/masks'}\nFix: add the missing files or move the unpaired ones out of the data "
+                         "folder")
+    assert [p.code for p in err.value.problems] == ["unreadable_file", "shape_mismatch"]
 
 
 def test_options_of_other_layouts(tmp_path):

@@ -44,6 +44,7 @@ from torch.utils.data import ConcatDataset
 
 from pflseg.algorithms.dp import floor_at, privatize
 from pflseg.data import DataError, load_dataset_info, pooled_dataset, site_dataset
+from pflseg.data.check import empty_split_error
 from pflseg.flare.privacy import Pseudonyms, public_error, public_metrics, write_local_log
 from pflseg.flare.settings import resolve_data, site_settings
 from pflseg.flare.state import (
@@ -162,9 +163,11 @@ class Site:
                 data = pooled_dataset(self.root, self.pool_sites, split, size=size, foreground_only=fg)
             else:
                 data = site_dataset(self.root, self.data_site, split, size=size, foreground_only=fg)
+            if len(data) == 0 and not pooled:  # the words of `pflseg data check` and `data index`
+                raise empty_split_error(self.root, self.data_site, split)
             if len(data) == 0:
-                raise DataError(f"site {self.name}: split '{split}' of {self.root / self.data_site} is empty; "
-                                f"re-split the data set so every site has {split} cases")
+                raise DataError(f"site {self.name}: the {split} split of the pooled sites {self.pool_sites} is empty. "
+                                "Fix: give every site at least 3 cases (training, validation and test each get one)")
             self._data[split, pooled] = data
         return self._data[split, pooled]
 
