@@ -176,3 +176,30 @@ def planned_sites(data: str | Path | None, n: int | None = None, names: list[str
     if data:
         return flare_names(choose_sites(Path(data).resolve(), n, names))
     return names or [f"site-{i + 1}" for i in range(n or default)]
+
+
+def check_run_data(data: str | Path, n: int | None = None, names: list[str] | None = None,
+                   job: str | None = None) -> None:
+    """Refuse, before anything starts, the data a run would fail on: every problem ``pflseg data check`` reports of
+    the run's sites (``choose_sites``), in its words. A post-training job (it adapts at its sites, e.g. routing at an
+    outside site) lets an empty validation or test split pass, as a site does (``pflseg.data.check.NOT_REFUSED``).
+
+    Raises:
+        DataError: naming every problem, its file, its site and its fix, and the command that lists them again.
+    """
+    from pflseg.config import load_job_config
+    from pflseg.data import DataError, check_dataset
+    from pflseg.data.check import NOT_REFUSED
+    from pflseg.flare.methods import METHODS
+
+    root = Path(data).resolve()
+    sites = choose_sites(root, n, names)
+    post_training = False
+    if job is not None:
+        entry = METHODS.get(load_job_config(job)["method"])
+        post_training = entry is not None and entry.after is not None
+    problems = [p for p in check_dataset(root, sites) if not (post_training and p.code in NOT_REFUSED)]
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise DataError(f"--data {root}: {len(problems)} problem(s) in the run's sites {', '.join(sites)}; nothing "
+                        f"was started:\n{lines}\n`pflseg data check {root}` lists them again once fixed", problems)
