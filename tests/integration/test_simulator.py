@@ -63,10 +63,12 @@ def assert_same_states(a: dict, b: dict):
 # (test_deploy.py: a straggler, a restarted and a dead site); iopfl*: test_iopfl.py; centralized_lcnet is
 # centralized (run here) on ft's net (run here): a yaml-only variant needs no run of its own; so are grace_refcode
 # (grace with grace.self_similarity: exclude, unit-tested in test_grace.py) and lcfed_hczero / lcfed_hcself (lcfed
-# with lcfed.hc_map: zeros / self_uncertainty, unit-tested in test_lcfed.py and the site / controller tests)
+# with lcfed.hc_map: zeros / self_uncertainty, unit-tested in test_lcfed.py and the site / controller tests);
+# fedavg_tiny (fedavg, smaller) is the README quick start's first command, run in test_quickstart.py
 COVERED_ELSEWHERE = ("fedsm", "fedsm_extra", "fedsm_fundus", "fedsm_infer", "fedbn", "grace", "lcfed", "iopfl",
                      "iopfl_route", "centralized_lcnet", "grace_refcode", "lcfed_hczero", "lcfed_hcself",
-                     "cross_site")  # test_cross_site.py
+                     "cross_site",  # test_cross_site.py
+                     "fedavg_tiny")  # test_quickstart.py
 
 
 #: what each job's results must hold: sites run, rounds in the history (extra selector round), a global
