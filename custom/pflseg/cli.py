@@ -499,8 +499,8 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as exc:
         print(f"pflseg: {exc.message(_AFTER_STOP.get(args.cmd, 'run the same command again'))}", file=sys.stderr)
         return exc.code
-    except KeyboardInterrupt:
-        print("pflseg: stopped (SIGINT)", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # one that says more (e.g. a submitted job goes on at the server) says it
+        print(f"pflseg: {str(exc) or 'stopped (SIGINT)'}", file=sys.stderr)
         return 130
     finally:
         if main_thread:

@@ -276,32 +276,51 @@ def deploy_local(workspace: str | Path, project_yml: str | Path | None = None, d
     ``say`` how to submit to it and stop it; the federation is left running.
 
     With ``data`` the data root's sites (``sites``: the first N, ``site_names``: those; ``data_sites``) replace the
-    project's sites (``<workspace>/project.data.yml``) and every site reads that root.
+    project's sites (``<workspace>/project.data.yml``) and every site reads that root; without it, ``site_names`` or
+    ``sites`` (``site-1`` .. ``site-N``) replace them (``<workspace>/project.sites.yml``) and the sites make a job's
+    synthetic data when it opts in (``data.allow_synthetic``).
+
+    Every site of this researcher's federation on one machine allows jobs of two sites (``LOOPBACK_POLICY``: one
+    person holds every site, so what a site receives from the other is no secret; said at provisioning): a
+    hospital's own site decides that for itself (``pflseg site init --allow-two-sites``).
     """
     from pflseg.deploy.data_sites import data_sites, project_with_sites
 
     project_yml = Path(project_yml) if project_yml else REPO_PROJECT
-    site_cfg = {"device": device}
+    site_cfg = {"device": device, "policy": dict(LOOPBACK_POLICY)}
+    ws = Path(workspace).resolve()
+    chosen = None
     if data:
-        ws = Path(workspace).resolve()
         root, mapping = data_sites(data, ws, sites, site_names, say)
         site_cfg["data"] = str(root)
-        project = project_with_sites(yaml.safe_load(project_yml.read_text()), list(mapping))
+        chosen, name = list(mapping), "project.data.yml"
+    elif site_names or sites:
+        chosen, name = site_names or [f"site-{i + 1}" for i in range(sites)], "project.sites.yml"
+    if chosen:
+        project = project_with_sites(yaml.safe_load(project_yml.read_text()), chosen)
         ws.mkdir(parents=True, exist_ok=True)
-        project_yml = ws / "project.data.yml"
+        project_yml = ws / name
         project_yml.write_text(yaml.safe_dump(project, sort_keys=False))
     fed = LocalFederation(workspace, project_yml, progress=say)
     fed.provision(site_cfg)
+    say("every site allows jobs of two sites (policy.two_sites: true): this federation's sites are all yours; a "
+        "hospital's site decides that itself (`pflseg site init --allow-two-sites`)")
     fed.start()
     fed.wait_connected(timeout=timeout)
     kit = fed.admin_kit()
     say(f"federation running ({fed.rss_bytes() / 2**30:.2f} GiB resident); admin kit: {kit}")
-    if data:
-        say(f"  jobs for this data: pflseg jobs export fedavg --out runs/jobs --data {Path(data).resolve()}")
-    say(f"  submit:  pflseg submit jobs/fedavg --kit {kit}")
+    n = len(fed.sites())
+    source = f"--data {Path(data).resolve()}" if data else "--set data.allow_synthetic=true"
+    say(f"  a job for these {n} sites: pflseg jobs export fedavg --out runs/jobs {source} --set min_clients="
+        f"{min(n, 2)} --set rounds=2")
+    say(f"  submit:  pflseg submit runs/jobs/fedavg --kit {kit}")
     say(f"  console: {kit}/startup/fl_admin.sh")
     say(f"  stop:    pflseg deploy stop --workspace {workspace}")
     return fed
+
+
+#: the policy of every site of ``pflseg deploy local`` (``pflseg.flare.policy``): one researcher's sites
+LOOPBACK_POLICY = {"two_sites": True}
 
 
 def federation_status(workspace: str | Path, say=print) -> bool:

@@ -34,7 +34,9 @@ class PocFederation(LocalFederation):
 
     def provision(self, site_config: dict | None = None) -> Path:
         """As ``LocalFederation.provision``; every site's policy allows two-site jobs (one researcher's sites)."""
-        return super().provision({"policy": {"two_sites": True}, **(site_config or {})})
+        kits = super().provision({"policy": {"two_sites": True}, **(site_config or {})})
+        self.progress("every POC site allows jobs of two sites (policy.two_sites: true): a POC's sites are all yours")
+        return kits
 
     def _provision(self) -> None:
         (self.workspace / "home").mkdir(parents=True, exist_ok=True)

@@ -10,14 +10,31 @@ sites left out and why).
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
+
+from pflseg.deploy.simulator import Interrupted, panic_reason
 
 TERMINAL_OK = "FINISHED:COMPLETED"
 
 
 class SubmitError(RuntimeError):
     """The job was refused or did not complete."""
+
+
+class StillRunning(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) stopped ``submit`` following a job: the job goes on at the server. ``str()`` says so and
+    how to follow or abort it."""
+
+    def __init__(self, job_id: str, kit: Path, signal_name: str = "SIGINT"):
+        self.job_id, self.kit = job_id, kit
+        super().__init__(f"stopped following job {job_id} ({signal_name}); the job goes on at the server. Follow or "
+                         f"abort it in the admin console {kit}/startup/fl_admin.sh: `list_jobs`, `download_job "
+                         f"{job_id}`, `abort_job {job_id}`")
+
+    def __str__(self) -> str:
+        return self.args[0]
 
 
 def submit(job_dir: str | Path, kit: str | Path, user: str | None = None, timeout: float = 3600.0,
@@ -42,9 +59,14 @@ def submit(job_dir: str | Path, kit: str | Path, user: str | None = None, timeou
             job_id = sess.submit_job(str(job_dir))
         except Exception as exc:
             raise SubmitError(f"job {job_dir.name} refused for {user}: {exc}") from exc
-        progress(f"submitted {job_dir.name} as job {job_id} (user {user})")
+        progress(f"submitted {job_dir.name} as job {job_id} (user {user}); Ctrl-C stops following it, not the job")
         seen = _Follow(job_id, progress)
-        _, meta = sess.monitor_job_and_return_job_meta(job_id, timeout=timeout, poll_interval=poll, cb=seen)
+        try:
+            _, meta = sess.monitor_job_and_return_job_meta(job_id, timeout=timeout, poll_interval=poll, cb=seen)
+        except KeyboardInterrupt:
+            raise StillRunning(job_id, kit) from None
+        except Interrupted as exc:  # SIGTERM (pflseg.cli)
+            raise StillRunning(job_id, kit, signal.Signals(exc.signum).name) from None
         if meta is None:
             raise SubmitError(f"job {job_id} did not finish within {timeout:.0f} s")
         seen(sess, job_id, meta)
@@ -54,8 +76,11 @@ def submit(job_dir: str | Path, kit: str | Path, user: str | None = None, timeou
         sess.close()
     found = sorted(download.rglob("results.json"))
     if not found:
-        raise SubmitError(f"job {job_id} ended {status}; no results.json in {download}. "
-                          f"Server log: {download}/**/log.txt")
+        logs = sorted(download.rglob("log.txt"))
+        reason = next((r for r in map(panic_reason, logs) if r), None)
+        raise SubmitError(f"job {job_id} ended {status} without results"
+                          + (f": the server stopped it: {reason}" if reason else "")
+                          + f". Server log: {logs[0] if logs else f'{download}/**/log.txt'}")
     if status != TERMINAL_OK:  # e.g. FINISHED:ABNORMAL when a site died: pflseg finished with the others
         progress(f"job {job_id} ended {status} (FLARE's view: a site's job process failed); pflseg results follow")
     results = json.loads(found[0].read_text())
@@ -107,8 +132,8 @@ class _Follow:
                     continue
                 msg = line.split(" - ")[-1].strip()
                 if msg and msg not in self.lines:
-                    self.lines.add(msg)
-                    self.progress(f"[{time.time() - self.t0:6.1f} s] {msg[:200]}")
+                    self.lines.add(msg)  # a site left out: its whole reason and fix; a round line: short
+                    self.progress(f"[{time.time() - self.t0:6.1f} s] {msg if 'left out' in msg else msg[:200]}")
         return True
 
 

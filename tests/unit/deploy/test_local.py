@@ -46,3 +46,48 @@ def test_what_the_federation_started_is_recognised_from_its_record(tmp_path):
     finally:
         if fed._popen[0].poll() is None:
             fed._popen[0].kill()
+
+
+class _Federation:
+    """LocalFederation without processes: records what deploy_local asks of it."""
+
+    made: list = []
+
+    def __init__(self, workspace, project_yml, progress=print):
+        import yaml
+
+        self.workspace, self.project = workspace, yaml.safe_load(open(project_yml))
+        _Federation.made.append(self)
+
+    def sites(self):
+        return [p["name"] for p in self.project["participants"] if p["type"] == "client"]
+
+    def provision(self, site_config):
+        self.site_config = site_config
+
+    def start(self):
+        pass
+
+    def wait_connected(self, timeout):
+        return self.sites()
+
+    def rss_bytes(self):
+        return 0
+
+    def admin_kit(self):
+        return self.workspace / "admin"
+
+
+def test_deploy_local_makes_a_federation_whose_sites_take_two_site_jobs(tmp_path, monkeypatch):
+    """Before: `pflseg deploy local --sites 2` ignored --sites without --data, and every site refused every training
+    job of two sites (policy.two_sites false), said only in the server's log."""
+    from pflseg.deploy.local import deploy_local
+
+    monkeypatch.setattr("pflseg.deploy.local.LocalFederation", _Federation)
+    said = []
+    deploy_local(tmp_path / "fed", sites=2, say=said.append)
+    fed = _Federation.made[-1]
+    assert fed.sites() == ["site-1", "site-2"] and fed.site_config["policy"] == {"two_sites": True}
+    assert any("every site allows jobs of two sites (policy.two_sites: true)" in line for line in said)
+    assert any("pflseg jobs export fedavg --out runs/jobs --set data.allow_synthetic=true --set min_clients=2" in line
+               for line in said)

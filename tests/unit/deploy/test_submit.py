@@ -22,3 +22,66 @@ def test_a_sites_malformed_metrics_are_named_and_the_rest_is_shown():
 def test_a_table_without_sites_or_history_still_renders():
     table = metrics_table({"job": "x", "method": "fedavg", "rounds": 1, "test": {"site-1": {"site": {"dice": 0.5}}}})
     assert "| site-1 | - | - | 0.5000 | - |" in table and "malformed: results: 'sites' is None" in table
+
+
+class _Session:
+    """A FLARE API session whose job ends as ``meta`` says (or whose wait ``raises``)."""
+
+    def __init__(self, download, meta=None, raises=None):
+        self.download, self.meta, self.raises = download, meta, raises
+
+    def submit_job(self, path):
+        return "job-1"
+
+    def monitor_job_and_return_job_meta(self, job_id, timeout, poll_interval, cb):
+        if self.raises:
+            raise self.raises
+        return None, self.meta
+
+    def get_job_logs(self, job_id, target):
+        return {"logs": {}}
+
+    def download_job_result(self, job_id, destination=None):
+        return str(self.download)
+
+    def close(self):
+        pass
+
+
+def _submit_setup(tmp_path, monkeypatch, session):
+    job, kit = tmp_path / "jobs" / "fedavg", tmp_path / "admin@pflseg.org"
+    job.mkdir(parents=True)
+    (job / "meta.json").write_text("{}")
+    (kit / "startup").mkdir(parents=True)
+    (kit / "startup" / "fed_admin.json").write_text("{}")
+    monkeypatch.setattr("nvflare.fuel.flare_api.flare_api.new_secure_session", lambda *a, **k: session)
+    return job, kit
+
+
+def test_a_refused_job_names_the_servers_reason_and_its_fix(tmp_path, monkeypatch, capsys):
+    from pflseg.cli import main
+
+    download = tmp_path / "transfer" / "job-1"
+    (download / "workspace").mkdir(parents=True)
+    (download / "workspace" / "log.txt").write_text(
+        "2026 - ServerRunner - ERROR - [identity=pflseg] - Aborting current RUN due to FATAL_SYSTEM_ERROR received: "
+        "task 'train': only 0 of 2 site(s) answered usably, min_clients=2. Problems: site-1: the site's policy "
+        "refuses a fedavg job of exactly two sites; run the job with three or more sites, or allow it at the site "
+        "(`pflseg site init --allow-two-sites`)\n")
+    job, kit = _submit_setup(tmp_path, monkeypatch, _Session(download, {"status": "FINISHED:EXECUTION_EXCEPTION"}))
+    assert main(["submit", str(job), "--kit", str(kit)]) == 2
+    err = capsys.readouterr().err
+    assert "job job-1 ended FINISHED:EXECUTION_EXCEPTION without results: the server stopped it: task 'train'" in err
+    assert "`pflseg site init --allow-two-sites`" in err and f"Server log: {download / 'workspace/log.txt'}" in err
+
+
+def test_ctrl_c_says_the_job_goes_on_at_the_server_and_how_to_follow_or_abort_it(tmp_path, monkeypatch, capsys):
+    from pflseg.cli import main
+
+    job, kit = _submit_setup(tmp_path, monkeypatch, _Session(tmp_path, raises=KeyboardInterrupt()))
+    assert main(["submit", str(job), "--kit", str(kit)]) == 130
+    captured = capsys.readouterr()
+    assert "Ctrl-C stops following it, not the job" in captured.out
+    assert captured.err.strip() == (
+        f"pflseg: stopped following job job-1 (SIGINT); the job goes on at the server. Follow or abort it in the admin "
+        f"console {kit}/startup/fl_admin.sh: `list_jobs`, `download_job job-1`, `abort_job job-1`")
