@@ -26,13 +26,12 @@ def test_allow_list_names_every_job_class_explicitly(tmp_path):
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def test_the_readme_states_exactly_what_the_allow_list_holds():
+def test_the_deployment_page_states_exactly_what_the_allow_list_holds():
     """Before: README said a site allows "what it has reviewed and nothing else" while provisioning wrote FLARE's 88
-    default classes plus pflseg's."""
+    default classes plus pflseg's (that text is now docs/deployment.md)."""
     from pflseg.flare.allowlist import allow_list
 
-    readme = (ROOT / "README.md").read_text()
-    hospital = " ".join(readme[readme.index("## Hospital IT"):readme.index("### What leaves a site")].split())
+    hospital = " ".join((ROOT / "docs" / "deployment.md").read_text().split())
     assert allow_list() == list(DEFAULT_CLASS_ALLOW_LIST) + pflseg_classes()
     assert f"FLARE 2.9's default list ({len(DEFAULT_CLASS_ALLOW_LIST)} classes of" in hospital
     assert f"plus pflseg's {len(pflseg_classes())} classes by exact name" in hospital
