@@ -14,8 +14,8 @@ MONAI_EXTRAS = ("ignite", "matplotlib", "mlflow", "pandas", "sklearn", "skimage"
 class _LeanMonai(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """MONAI without the integrations pflseg does not use: while ``monai`` is first executed, ``MONAI_EXTRAS`` not
     imported yet look absent to it (MONAI then keeps placeholders that only fail when such an integration is used).
-    A site process then holds torch and MONAI's core only: about 0.1-0.25 GiB less per site (README, "Speed"). Once
-    MONAI is in, every package imports as usual for everyone else."""
+    A site process then holds torch and MONAI's core only: about 0.1-0.25 GiB less per site (docs/speed.md,
+    "Memory"). Once MONAI is in, every package imports as usual for everyone else."""
 
     def find_spec(self, name, path=None, target=None):
         if name != "monai":

@@ -57,7 +57,7 @@ SETTINGS = {"train": {"lr": 0.003, "loss": "dice_ce", "epochs": 3},
 #: LC-Fed's five-stage backbone, narrowed (its calibration applies every site's head: the demo's slowest job): the net
 #: of every job of a row on that backbone
 LCFED_NET = {"channels": [8, 16, 32, 64, 128]}
-#: rounds: FedAvg's mean validation Dice is flat over the last rounds (README: how the budget was chosen)
+#: rounds: FedAvg's mean validation Dice is flat over the last rounds (docs/benchmark.md: the demo)
 ROUNDS = 16
 OTHER_BACKBONE = tuple(label for label, _, _, backbone in INSIDE if backbone != "unet")
 #: the job of the inside reference row ("FedAvg"): its validation curve is the demo's plateau

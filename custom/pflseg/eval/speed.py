@@ -24,8 +24,8 @@ their sites):
 Rounds measured: 1 .. R-1 (round 0 also loads and caches each site's data; with one round only, round 0). Reported:
 site compute / plain loop, and the **fixed cost per round** = round wall - the round's slowest site compute (median
 over the measured rounds) beside FLARE's per-round floor for the job's site executor kind (read from the built job's
-``config_fed_client.json``; measured with a no-work job whose controller waits for FLARE's task check, README "Speed
-and memory": Client API in-process 1.2 s simulator / 0.8 s POC, plain ``Executor`` 0.6 s / 0.4 s; pflseg's controllers
+``config_fed_client.json``; measured with a no-work job whose controller waits for FLARE's task check,
+docs/speed.md: Client API in-process 1.2 s simulator / 0.8 s POC, plain ``Executor`` 0.6 s / 0.4 s; pflseg's controllers
 go on the moment the last site has answered, so a fixed cost may lie below its floor). ``sim``: ``nvflare simulator``
 (``pflseg.deploy.simulator.run_simulator``), with the
 host memory (PSS) of its processes sampled (psutil, every 0.5 s: per site process and in all); ``poc``: one loopback POC
@@ -63,7 +63,7 @@ from typing import Any
 from pflseg.eval.markdown import markdown_table
 
 #: FLARE 2.9's per-round floor (seconds) by (site executor kind, environment), measured with a no-work job
-#: (README, "Site executor")
+#: (docs/speed.md)
 FLOORS = {("client_api", "sim"): 1.2, ("client_api", "poc"): 0.8, ("executor", "sim"): 0.6, ("executor", "poc"): 0.4}
 ENVS = ("sim", "poc")
 EXECUTOR_KINDS = ("executor", "client_api")

@@ -7,7 +7,7 @@ FLARE's own, its workflows, executors, aggregators, persistors, privacy filters 
 allow anyway) plus pflseg's own job classes by exact name (every method's controller and both site executors,
 ``pflseg_classes``: no ``pflseg.`` prefix). pflseg's jobs name only ``job_classes``: pflseg's classes and two of
 FLARE's (``FLARE_CLASSES``), less the Client API site executor a job names only with ``site.executor: client_api``;
-a site that allows nothing else writes that list (README, "Hospital IT"). FLARE filters a job adds
+a site that allows nothing else writes that list (docs/deployment.md, "Shipping code"). FLARE filters a job adds
 (``privacy.update.filters``) must be on the site's list too.
 """
 

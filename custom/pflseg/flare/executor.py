@@ -6,8 +6,8 @@
 ``SiteExecutor`` runs the same site entry point as the Client API script (``pflseg.flare.client.answer``: the
 site's policy, the method's site class, error replies that carry only what may leave the site) without FLARE's
 Client API machinery around it. That machinery costs a fixed amount every round, whatever the site computes: the
-in-process Client API looks for the script's result every 0.5 s (README, "Site executor", with the fixed cost per
-round measured both ways; README, "Site executor"). Here the reply is ready the
+in-process Client API looks for the script's result every 0.5 s (docs/running.md, "Site executor"; the fixed cost
+per round measured both ways: docs/speed.md). Here the reply is ready the
 moment the site has computed it.
 
 What the Client API script gives, this executor gives too: the site object lives between tasks (its state is on

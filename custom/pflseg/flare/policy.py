@@ -15,7 +15,7 @@ key                 default  the site allows
 ``pooling``         null     training on the folders of OTHER sites in its data root (Centralized); null:
                              in the simulator only
 ``two_sites``       false    a deployment's training job of exactly two sites (K = 2: what a site receives
-                             gives it the other site's model, README "What leaves a site"); the simulator
+                             gives it the other site's model, docs/privacy.md); the simulator
                              runs K = 2 regardless
 ==================  =======  ==============================================================================
 
@@ -129,7 +129,8 @@ def check_task(site: str, task: str, cfg: dict, sites: list[str], settings: dict
     exchanges = entry.site.exchanges_models and entry.after is None  # post-training jobs: a published bundle
     if on_prod and len(sites) == 2 and exchanges and not policy["two_sites"]:
         raise _refuse(site, settings, "two_sites", f"a {method} job of exactly two sites ({', '.join(sites)}): "
-                      "what a site receives gives it the other site's model (README: What leaves a site)",
+                      "what a site receives gives it the other site's model (docs/privacy.md: two sites are one too "
+                      "few)",
                       "run the job with three or more sites, or allow it at the site (`pflseg site init "
                       "--allow-two-sites`)")
     if task == "submit_model":

@@ -122,7 +122,7 @@ NORM = {"global": "running", "global_bn": "batch", "average": "running", "averag
         "tent_average": "batch", "routing_global": "batch", "routing_layer": "batch", "routing": "batch",
         "routing_final": "batch"}
 METHODS = tuple(NORM)
-#: the routing variants' display names, the one naming of every table (bench, demo, ``pflseg run``) and the README
+#: the routing variants' display names, the one naming of every table (bench, demo, ``pflseg run``) and docs/methods.md
 LABELS = {"routing": "IOP-FL routing", "routing_global": "IOP-FL routing (Global)",
           "routing_layer": "IOP-FL routing (per layer, ours)", "routing_final": "IOP-FL routing (final model)"}
 
