@@ -3,13 +3,13 @@ overlays run their forward passes under bf16 autocast, with float32 logits and l
 default) they never enter autocast. Old-vs-new with amp off was checked bit for bit once (every output and written
 file equal); here off is checked by dtype (no bf16 convolution, float32 everywhere).
 
-Tolerances: measured on these tiny nets (UNets trained 2-3 epochs on 32 x 32 discs, 16 images), bf16 against
-float32: the unsupervised loss 2e-4 relative (bound 5e-3), the predicted foreground 7e-4 (0.01); Tent's kept and
-the plain predictions 99.9 % equal pixels (98 %); routing's Dice 9e-5, every method within 3.5e-4 (0.01), its mean
-coefficients 9e-5 (0.01); the super model's Dice within 7e-4 (0.01) with the same selection counts (exact: the test's
-selector has wide margins), d2_min 2.7 % relative (0.1: bf16 features with cancellation, by construction); the
-overlays' pixels 0.05 % different (2 %). The bounds catch a path computed wrongly (no autocast, a map that changes),
-not rounding."""
+Tolerances: measured on these tiny nets (UNets trained 2-3 epochs on 32 x 32 discs, 16 images), bf16 against float32:
+the logits' largest difference 0.7-0.9 % of their largest value (2 %), the unsupervised loss 2e-4 relative (bound
+5e-3), the predicted foreground 7e-4 (0.01); Tent's kept and the plain predictions 99.9 % equal pixels (98 %);
+routing's Dice 9e-5, every method within 3.5e-4 (0.01), its mean coefficients 9e-5 (0.01); the super model's Dice
+within 7e-4 (0.01) with the same selection counts (exact: the test's selector has wide margins), d2_min 2.7 % relative
+(0.1: bf16 features with cancellation, by construction); the overlays' pixels 0.05 % different (2 %). The bounds catch
+a path computed wrongly (no autocast, a map that changes), not rounding."""
 
 import copy
 
@@ -35,9 +35,10 @@ CFG = {"router": "normalised", "loss_weights": "paper", "beta": 0.01, "noise_std
 
 @pytest.fixture(scope="module")
 def nets():
-    """Two small UNets (batch norm) trained in float32 on the discs: confident maps, so bf16 flips few pixels."""
+    """Two small UNets (batch norm) trained in float32 on the discs: confident maps, so bf16 flips few pixels. ``train``
+    seeds itself (seed 0: the same start, b one epoch short of a); the weights still depend on the torch thread count
+    (float sums in another order), one thread in every test (conftest)."""
     _, a, _ = train("off", epochs=3)
-    torch.manual_seed(1)
     _, b, _ = train("off", epochs=2)
     return a.eval(), b.eval()
 
@@ -58,7 +59,10 @@ def test_amp_forward_casts_up_outside_autocast_and_is_the_plain_call_when_off(ne
         mixed = amp_forward(net, x, torch.bfloat16)
         assert torch.equal(plain, net(x)) and plain.dtype == torch.float32
         assert mixed.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
-        assert 0 < (mixed - plain).abs().max() < 0.1  # bf16 really ran (not bit-equal), and close
+        # bf16 really ran (not bit-equal), and close: bf16 keeps 8 significant bits, so the bound is relative to the
+        # logits' size (largest 15 here); measured 0.68 % of it with one torch thread, 0.92 % with two. The absolute
+        # 0.1 this replaces was 0.67 % of 15: it failed on rounding (0.1019 measured), not on a wrong path.
+        assert 0 < (mixed - plain).abs().max() < 0.02 * plain.abs().max()
     assert amp_model(net, None) is net  # off: the model itself, nothing wrapped
 
 
