@@ -18,7 +18,8 @@ from pflseg.deploy.submit import SubmitError, submit
 from pflseg.flare.recipes import FedAvgRecipe
 from tests.integration.federation import SITES, TINY, check_per_site, federation, job, on_round, rounds_of
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deploy")]  # one worker: shared module fixture
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deploy"), pytest.mark.in_file_order]
+# one worker, in file order: the module's federation is shared, and each test leaves it as the next expects
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ from pflseg.deploy.submit import submit
 from pflseg.flare.state import load_file, unprefixed
 from tests.integration.federation import SITES, check_per_site, federation, job, on_round
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deploy_faults")]  # one worker: shared module fixture
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deploy_faults"), pytest.mark.in_file_order]
+# one worker, in file order: the module's federation is shared, and each test leaves it as the next expects
 
 
 @pytest.fixture(scope="module")
