@@ -154,6 +154,41 @@ def route(probs: torch.Tensor, gamma: float) -> torch.Tensor:
     return torch.where(top > gamma, site.to(torch.long), torch.full_like(site, GLOBAL, dtype=torch.long))
 
 
+def calibrate_gamma(folds: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                    gammas: Sequence[float]) -> tuple[float, list[dict]]:
+    """Gamma by leave-one-inside-site-out: the threshold whose super model scores best at held-out inside sites.
+
+    Choosing gamma on the inside sites' own validation can only pick 0 (each site's own personalized model is best
+    there). Here each fold is a federation trained WITHOUT one inside site h, scored at h, which then looks to the
+    selector as an unseen site does: unfamiliar images should fall back to the global model. h's labels are
+    validation data the federation owns; the judged outside sites are never used.
+
+    Args:
+        folds: per held-out site, (probs (N, K) the fold's selector softmax on h's N images, personal (N, K) the
+            Dice of each of the fold's K personalized models on each image, global_ (N,) the global model's Dice).
+        gammas: the thresholds tried, each in [0, 1].
+
+    Returns:
+        (the gamma of the highest mean over folds of the mean super-model Dice; ties keep the smaller gamma,
+        [{"gamma", "dice" (the mean over folds), "per_fold": [...]} per gamma, in order]).
+    """
+    if not folds or not gammas:
+        raise ValueError("calibrate_gamma needs at least one fold and one gamma")
+    table: list[dict] = []
+    for gamma in gammas:
+        per_fold: list[float] = []
+        for probs, personal, global_ in folds:
+            if personal.shape != probs.shape or global_.shape != probs.shape[:1]:
+                raise ValueError(f"folds: probs {tuple(probs.shape)}, personal {tuple(personal.shape)} and global "
+                                 f"{tuple(global_.shape)} disagree (expected (N, K), (N, K), (N,))")
+            choice = route(probs, gamma)
+            mine = personal.gather(1, choice.clamp(min=0)[:, None])[:, 0]
+            per_fold.append(float(torch.where(choice == GLOBAL, global_, mine).double().mean()))
+        table.append({"gamma": float(gamma), "dice": sum(per_fold) / len(per_fold), "per_fold": per_fold})
+    best = max(table, key=lambda row: (row["dice"], -row["gamma"]))
+    return float(best["gamma"]), table
+
+
 def route_extra(scores: torch.Tensor) -> torch.Tensor:
     """FedSM-extra inference rule: the argmax class names the model, class 0 being the global one.
 

@@ -476,6 +476,7 @@ def size_prior(probs: torch.Tensor, prior: torch.Tensor, eps: float = 1e-6) -> t
     Args:
         probs: (B, C, ...) probabilities.
         prior: (C,) foreground fractions in (0, 1) (clamped to [eps, 1 - eps]).
+        eps: the clamp of q_c and pi_c (keeps the logarithms finite).
 
     Returns:
         (B,): the batch's value for every sample of it.

@@ -93,7 +93,7 @@ TREATMENTS = {"running": "running statistics (as trained)", "batch": "test-batch
 OUTSIDE_REFERENCE = ("FedAvg", "FedAvg (IOP-FL run)")
 #: the primary outside comparison, declared before any run: IOP-FL routing against each of these under test-batch
 #: statistics; the paper's claim holds only when every interval lies above 0
-PRIMARY = (ROUTING_LABELS["routing"], ("FedAvg", "Average", "Tent (online)"), "batch")
+PRIMARY = (ROUTING_LABELS["routing"], ("FedAvg", "Average", "Tent (online)", "Tent from Average (online)"), "batch")
 
 
 def _stats(values: list[float]) -> dict:

@@ -162,8 +162,8 @@ def to_markdown(report: dict) -> str:
     """The report as a Markdown table: one row per variant and validation site."""
     lines = [f"Routing objective vs Dice at validation outside sites {report['sites']} (bundle of "
              f"{report['inside']}; size prior {[round(x, 4) for x in report['prior']]}; rates {report['rates']})",
-             "", "| variant | site | rho(loss, Dice) | start Dice | Dice at lowest loss | lowest final loss: rate, Dice "
-             "| final foreground / start | router movement |", "|---|---|---|---|---|---|---|---|"]
+             "", "| variant | site | rho(loss, Dice) | start Dice | Dice at lowest loss | lowest final loss: rate, "
+             "Dice | final foreground / start | router movement |", "|---|---|---|---|---|---|---|---|"]
     for name, entry in report["variants"].items():
         for site, r in entry["sites"].items():
             chosen = next(c for c in r["curves"] if c["rate"] == r["lowest_final_loss"]["rate"])

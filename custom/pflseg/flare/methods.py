@@ -120,9 +120,11 @@ METHODS: dict[str, Method] = {
                            ("Ensemble", "iopfl_route", "route:ensemble_bn", "batch"),
                            ("Tent (online)", "iopfl_route", "route:tent", "batch"),
                            ("Tent (10 epochs, min-entropy)", "iopfl_route", "route:tent_epochs", "batch"),
+                           ("Tent from Average (online)", "iopfl_route", "route:tent_average", "batch"),
                            (ROUTING_LABELS["routing_global"], "iopfl_route", "route:routing_global", "batch"),
                            (ROUTING_LABELS["routing_layer"], "iopfl_route", "route:routing_layer", "batch"),
-                           (ROUTING_LABELS["routing"], "iopfl_route", "route:routing", "batch"))},
+                           (ROUTING_LABELS["routing"], "iopfl_route", "route:routing", "batch"),
+                           (ROUTING_LABELS["routing_final"], "iopfl_route", "route:routing_final", "batch"))},
         demo_inside=(("IOP-FL P_k", "iopfl", "site", "unet"),)),
     # the routing job reaches every site outside the bundle: no targets
     "iopfl_route": Method(

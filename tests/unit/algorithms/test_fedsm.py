@@ -9,6 +9,7 @@ from pflseg.algorithms.fedsm import (
     add_statistics,
     average_moments,
     best_temperature,
+    calibrate_gamma,
     class_statistics,
     extra_class_of_site,
     flatten_optimizer_state,
@@ -346,3 +347,29 @@ def test_fitted_temperature_lowers_validation_nll_of_an_overconfident_selector()
     assert t > 1.0 and at(t) < at(1.0)
     assert float(nll[TEMPERATURES.index(1.0)]) == pytest.approx(at(1.0))
     assert best_temperature([1.0] * len(TEMPERATURES)) == 1.0  # no information: no rescaling
+
+
+def _toy_fold(held_out: int, familiar: bool, n: int = 50):
+    """A toy 1-D selector over K = 3 inside sites (site means 0, 4, 8): softmax of -(x - mu_k)^2 / 2 over the
+    fold's sites (the held-out site's mean removed). Personalized model k scores 0.9 on its own site's images and
+    0.5 elsewhere; the global model 0.8 everywhere. ``familiar``: h's images sit on an inside site's mean; else far
+    between two means (an unseen scanner), where the selector is unsure."""
+    torch.manual_seed(held_out)
+    means = torch.tensor([m for k, m in enumerate([0.0, 4.0, 8.0, 12.0]) if k != held_out])
+    x = (means[0] if familiar else (means[0] + means[1]) / 2) + 0.3 * torch.randn(n)
+    probs = torch.softmax(-(x[:, None] - means[None]) ** 2 / 2, dim=1)
+    nearest = (x[:, None] - means[None]).abs().argmin(1)
+    own = torch.nn.functional.one_hot(nearest, len(means)).bool() if familiar else torch.zeros(n, len(means)).bool()
+    personal = torch.where(own, torch.tensor(0.9), torch.tensor(0.5))
+    return probs, personal, torch.full((n,), 0.8)
+
+
+def test_gamma_calibrated_leave_one_inside_site_out_is_positive_when_held_out_sites_look_unfamiliar():
+    gammas = [0.0, 0.5, 0.7, 0.9, 0.99]
+    gamma, table = calibrate_gamma([_toy_fold(h, familiar=False) for h in range(4)], gammas)
+    assert gamma > 0 and table[0]["dice"] < max(row["dice"] for row in table)
+    gamma, _ = calibrate_gamma([_toy_fold(h, familiar=True) for h in range(4)], gammas)
+    assert gamma == 0.0  # where the held-out sites look like an inside site, routing to it is right
+    with pytest.raises(ValueError, match="disagree"):
+        probs, personal, glob = _toy_fold(0, False)
+        calibrate_gamma([(probs, personal[:, :2], glob)], gammas)
