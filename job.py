@@ -15,17 +15,16 @@ admin startup kit as its user (default: the kit folder's name) and downloads the
 
 import argparse
 import json
+import warnings
 from pathlib import Path
 
-# nvflare.recipe consumes --export / --export-dir from sys.argv when it is imported: before parse_args
-from nvflare.recipe import ProdEnv, SimEnv
-
-from pflseg.config import parse_set
-from pflseg.eval.tables import run_tables
-from pflseg.flare.recipes import STATE_DIR, PflsegRecipe
+#: FLARE's warning when its recipe module takes --export / --export-dir out of sys.argv at import (they are this
+#: script's documented flags, declared below for --help and handed to FLARE as it expects)
+_EXPORT_WARNING = "NVFlare reserves '--export' and '--export-dir'"
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The script's flags; built before anything heavy is imported (``--help`` answers at once)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("job", help="job config name (app_configs/<job>.yaml)")
     p.add_argument("--env", choices=("sim", "poc", "prod"), default="sim", help="where it runs (default sim)")
@@ -39,7 +38,24 @@ def main() -> None:
     p.add_argument("--username", help="prod: the admin user (default: the kit folder's name)")
     p.add_argument("--login-timeout", type=float, default=10.0, help="prod: seconds to log in (default 10)")
     p.add_argument("--timeout", type=float, default=3600.0, help="poc, prod: seconds to wait (default 3600)")
+    p.add_argument("--export", action="store_true", help="FLARE's: write the job folder instead of running it")
+    p.add_argument("--export-dir", help="FLARE's: where --export writes the job folder (default ./fl_job)")
+    return p
+
+
+def main() -> None:
+    p = parser()
     args = p.parse_args()
+    if args.export_dir and not args.export:
+        p.error("--export-dir is where --export writes the job folder: add --export")
+    # nvflare.recipe takes --export / --export-dir out of sys.argv when it is imported (after parse_args: they are
+    # declared above, so --help lists them and parsing accepts them)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_EXPORT_WARNING, category=UserWarning)
+        from nvflare.recipe import ProdEnv, SimEnv
+
+    from pflseg.config import parse_set
+    from pflseg.flare.recipes import STATE_DIR, PflsegRecipe
 
     overrides = parse_set(args.set)
     n_sites = args.sites or (2 if args.env == "poc" else 3)
@@ -78,6 +94,8 @@ def main() -> None:
 
 def _report(job: str, path: Path) -> None:
     """What `pflseg run` prints of a finished job's results.json, the sites left out, and where it is."""
+    from pflseg.eval.tables import run_tables
+
     results = json.loads(Path(path).read_text())
     for table in run_tables(results, job):
         print(table)

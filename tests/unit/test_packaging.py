@@ -49,3 +49,13 @@ def test_the_wheel_runs_its_configs_from_outside_the_checkout(tmp_path):
     site = tmp_path / "site" / "pflseg"
     assert out == [str(site / "__init__.py"), str(site / "_data" / "app_configs"),
                    str(site / "_data" / "provisioning" / "project.yml"), "fedavg"]
+
+
+def test_built_wheels_and_build_folders_are_not_tracked():
+    """`python -m build` writes dist/ (wheel, sdist) and build/: neither belongs in a commit."""
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        import pytest
+
+        pytest.skip("not a git checkout")
+    for path in ("dist/pflseg-0.1.0-py3-none-any.whl", "build/lib/pflseg/__init__.py"):
+        assert subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO).returncode == 0, path
