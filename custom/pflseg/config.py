@@ -367,12 +367,30 @@ def load_job_config(name: str, config_dir: Path | None = None, overrides: Mappin
         jobs = ", ".join(job_names(config_dir))
         raise ConfigError(f"no job config {path}; jobs: {jobs}")
     cfg = merge(defaults(config_dir), _read_yaml(path), str(path))
+    source = str(path)
     if overrides:
+        own = cfg
         cfg = merge(cfg, overrides, "command-line overrides")
-    validate(cfg, str(path))
-    check_trackers_installed(cfg["tracking"], str(path))
+        try:
+            validate(cfg, source)
+        except ConfigError:
+            validate(own, source)  # the file's own value is wrong: named as the file's
+            source = f"command-line overrides ({', '.join(_dotted(overrides))}) of {path}"
+            validate(cfg, source)  # else the override is: named as the override's
+            raise
+    else:
+        validate(cfg, source)
+    check_trackers_installed(cfg["tracking"], source)
     cfg["name"] = name
     return cfg
+
+
+def _dotted(tree: Mapping, prefix: str = "") -> list[str]:
+    """The dotted keys of a nested override dict: ``{"net": {"norm": "group"}}`` -> ``["net.norm"]``."""
+    out = []
+    for key, value in tree.items():
+        out += _dotted(value, f"{prefix}{key}.") if isinstance(value, Mapping) and value else [f"{prefix}{key}"]
+    return out
 
 
 def check_effective(cfg: Mapping, source: str = "job config") -> dict:

@@ -120,10 +120,10 @@ def run_job(job: str, workspace: str | Path | None = None, sites: int | None = N
     Returns:
         The run's results (results.json).
     """
-    load_job_config(job)  # an unknown job fails here, before its workspace is made
     workspace = Path(workspace or f"runs/{job}")
     if data:
         check_run_data(data, sites, site_names, job)
+    load_job_config(job, overrides=job_overrides(sets or [], data, size))  # a bad name or --set: before the workspace
     with workspace_lock(workspace):  # one run per workspace: a second fails here, before it touches anything
         overrides, plan = plan_run(job, workspace, sets, data, size, rounds, sites, site_names, resume, say)
         if plan == "complete":

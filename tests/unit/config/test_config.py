@@ -185,3 +185,13 @@ def test_the_server_applies_the_methods_rules_to_the_job_it_is_given(job, overri
     ctrl.panic = panics.append
     assert ctrl.setup() is None and len(panics) == 1
     assert re.search(match, panics[0])
+
+
+def test_a_bad_override_is_named_as_the_override_not_as_the_job_file():
+    """Before: `--set net.norm=group` read "app_configs/fedavg.yaml: net.norm must be one of ..." as if the file
+    were wrong."""
+    with pytest.raises(ConfigError) as err:
+        load_job_config("fedavg", overrides={"net": {"norm": "group"}, "rounds": 1})
+    text = str(err.value)
+    assert text.startswith("command-line overrides (net.norm, rounds) of ")
+    assert "fedavg.yaml: net.norm must be one of batch, instance, got 'group'" in text

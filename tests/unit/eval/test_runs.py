@@ -135,3 +135,8 @@ def test_a_data_root_that_is_not_there_names_no_internal_function(tmp_path, caps
     assert main(["run", "fedavg", "--workspace", str(tmp_path / "ws"), "--data", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
     assert "data root not found" in err and "make_synthetic" not in err and not (tmp_path / "ws").exists()
+
+
+def test_a_bad_override_leaves_no_workspace(tmp_path, capsys):
+    assert main(["run", "fedavg", "--workspace", str(tmp_path / "ws"), "--set", "net.norm=group"]) == 2
+    assert "command-line overrides (net.norm" in capsys.readouterr().err and not (tmp_path / "ws").exists()
