@@ -370,31 +370,69 @@ def _run_parsers(sub) -> None:
     _bench_flags(lo, "runs/iopfl_loso", [0, 1], 10, 5)
 
 
+def _fedsm_benchmark_flags(p) -> None:
+    _flags(p, workspace="default runs/fedsm_bench", rounds="rounds of each run (default 20)",
+           seeds={"default": [0, 1], "help": "seeds (default: 0 1)"})
+
+
+def _grace_benchmark_flags(p) -> None:
+    _flags(p, sites={"default": 6, "help": "sites whose updates the server step aggregates (default 6)"})
+    p.add_argument("--repeats", type=_positive, default=5, help="timing repeats (default 5)")
+
+
+def _heterogeneity_flags(p) -> None:
+    _flags(p, workspace="default runs/heterogeneity", rounds="rounds of each Local and FedAvg run (default 20)",
+           seeds={"default": [0], "help": "the data seed: the first (default 0)"},
+           task="synthetic task (default prostate)",
+           preset="synthetic data preset (bench | demo; 'none': the plain 6-site generator; default bench)",
+           outside="outside site kinds of the preset (near_copy blend extrapolate; default: the preset's)",
+           size="data and training size (default: the preset's)")
+
+
+def _iopfl_cost_flags(p) -> None:
+    p.add_argument("--sizes", type=_positive, nargs="+", default=[64, 256], help="image sizes (default 64 256)")
+    p.add_argument("--experts", type=_positive, default=5, help="K + 1 (default 5)")
+    p.add_argument("--batch", type=_positive, default=8, help="batch (default 8)")
+    p.add_argument("--epochs", type=_positive, default=10, help="test-time epochs (default 10)")
+    p.add_argument("--repeats", type=_positive, default=5, help="timing repeats (default 5)")
+    p.add_argument("--json", help="also write the rows as JSON here")
+
+
+def _speed_flags(p) -> None:
+    from pflseg.eval import speed  # its own flags (a light import: no torch at module level)
+
+    d = speed.DEFAULTS
+    _flags(p, workspace="folder of the data, runs and report (default: runs/speed)",
+           sites=f"sites of every run (default {d['sites']})",
+           rounds=f"rounds of every run (default {d['rounds']}; the first is not measured)",
+           size=f"image size (default {d['size']})", set="config override for every job")
+    p.add_argument("--repeats", type=_positive, help="timing repeats of the aggregation step")
+    speed.add_arguments(p)  # the rest of its flags
+
+
+#: ``pflseg report NAME``'s help and the function adding its own flags (``REPORTS`` names its module)
+REPORT_PARSERS = {
+    "fedsm-benchmark": ("communication and timing of FedSM's two selectors", _fedsm_benchmark_flags),
+    "grace-benchmark": ("GRACE's server step against FedAvg's", _grace_benchmark_flags),
+    "heterogeneity": ("how different the synthetic sites are (each inside site's Local vs FedAvg)",
+                      _heterogeneity_flags),
+    "iopfl-cost": ("IOP-FL routing's cost per image against one UNet forward", _iopfl_cost_flags),
+    "speed": ("wall per round, FLARE's fixed cost and memory per method (simulator and POC)", _speed_flags),
+}
+
+
 def _report_parser(sub) -> None:
     rp = sub.add_parser("report", help="cost benchmarks and data heterogeneity (Markdown tables); the protocols are "
                                        "`pflseg bench`")
-    rp.set_defaults(func=_report)
     *names, last = REPORTS
-    rp.add_argument("report", choices=list(REPORTS), help=f"which report: {', '.join(names)} or {last}")
-    _flags(rp, workspace="default runs/<report>", rounds="default: fedsm-benchmark 20, heterogeneity 20",
-           sites="grace-benchmark sites (default 6)",
-           seeds={"default": [0, 1], "help": "seeds (fedsm-benchmark; heterogeneity: the first is the data seed) "
-                                             "(default: 0 1)"},
-           task="heterogeneity: synthetic task (default prostate)")
-    rp.add_argument("--repeats", type=_positive, default=5, help="timing repeats (grace-benchmark, iopfl-cost)")
-    rp.add_argument("--sizes", type=_positive, nargs="+", default=[64, 256], help="iopfl-cost image sizes")
-    rp.add_argument("--experts", type=_positive, default=5, help="iopfl-cost: K + 1")
-    rp.add_argument("--batch", type=_positive, default=8, help="iopfl-cost batch")
-    rp.add_argument("--epochs", type=_positive, default=10, help="iopfl-cost test-time epochs")
-    rp.add_argument("--json", help="iopfl-cost: also write the rows as JSON here")
-    _flags(rp, preset="heterogeneity: synthetic data preset (bench | demo; 'none': the plain 6-site generator); the "
-                      "data seed is the first --seeds",
-           outside="heterogeneity: outside site kinds of the preset (near_copy blend extrapolate; default: the "
-                   "preset's)",
-           size="heterogeneity: data and training size (default: the preset's)")
-    from pflseg.eval import speed  # its own flags (a light import: no torch at module level)
-
-    speed.add_arguments(rp)
+    reports = rp.add_subparsers(dest="report", required=True, metavar="REPORT", parser_class=_Parser,
+                                help=f"which report: {', '.join(names)} or {last} (`pflseg report REPORT --help`: "
+                                     "its own flags)")
+    for name in REPORTS:
+        text, add = REPORT_PARSERS[name]
+        parser = reports.add_parser(name, help=text, description=text)
+        parser.set_defaults(func=_report)
+        add(parser)
 
 
 def _deploy_parsers(sub) -> None:

@@ -102,7 +102,8 @@ def test_every_command_has_its_own_handler_and_every_handler_is_a_few_lines():
     import inspect
 
     handlers = _handlers(build_parser())
-    assert {"run", "bench", "iopfl loso", "report", "data synth", "deploy stop", "site check"} <= set(handlers)
+    assert {"run", "bench", "iopfl loso", "report speed", "report iopfl-cost", "data synth", "deploy stop",
+            "site check"} <= set(handlers)
     long = {name: len(inspect.getsource(f).splitlines()) for name, f in handlers.items()
             if len(inspect.getsource(f).splitlines()) > 10}
     assert long == {}
@@ -132,9 +133,24 @@ def test_every_report_is_a_module_with_a_report_function_and_a_choice_of_the_com
 
     report = next(p for path, p in _parsers(build_parser()) if path == ("report",))
     (choice,) = [a for a in report._actions if a.dest == "report"]
-    assert choice.choices == list(REPORTS) and all(name in choice.help for name in REPORTS)
+    assert list(choice.choices) == list(REPORTS) and all(name in choice.help for name in REPORTS)
     for module in REPORTS.values():
         assert callable(importlib.import_module(module).report)
+
+
+def test_each_report_shows_only_its_own_flags(capsys):
+    """Before: `pflseg report --help` listed every report's flags in one list (--sizes beside --preset)."""
+    flags = {}
+    for name in ("iopfl-cost", "heterogeneity", "grace-benchmark"):
+        with pytest.raises(SystemExit):
+            main(["report", name, "--help"])
+        flags[name] = capsys.readouterr().out
+    assert "--sizes" in flags["iopfl-cost"] and "--preset" not in flags["iopfl-cost"]
+    assert "--preset" in flags["heterogeneity"] and "--sizes" not in flags["heterogeneity"]
+    assert "--repeats" in flags["grace-benchmark"] and "--workspace" not in flags["grace-benchmark"]
+    with pytest.raises(SystemExit):
+        main(["report", "iopfl-cost", "--preset", "bench"])  # another report's flag is refused
+    assert "unrecognized arguments: --preset" in capsys.readouterr().err
 
 
 def test_report_runs_the_named_module_with_every_flag(monkeypatch, capsys):
