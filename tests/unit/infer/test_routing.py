@@ -56,7 +56,8 @@ def test_route_site_scores_every_method_and_writes_png_for_2d_images(tmp_path):
     assert sorted(res["methods"]) == sorted(METHODS) and res["n_images"] == 3
     assert res["norm"] == {"global": "running", "average": "running", "ensemble": "running", "global_bn": "batch",
                            "average_bn": "batch", "ensemble_bn": "batch", "tent": "batch", "tent_epochs": "batch",
-                           "routing_global": "batch", "routing_layer": "batch", "routing": "batch"}
+                           "tent_average": "batch", "routing_global": "batch", "routing_layer": "batch",
+                           "routing": "batch", "routing_final": "batch"}
     for m in res["methods"].values():
         assert 0 <= m["dice"] <= 1 and sorted(m["per_case"]) == ["a", "bb"]  # labels only score
     assert sorted(p.name for p in (tmp_path / "pred").iterdir()) == ["a.png", "bb.png", "ccc.png"]
@@ -132,7 +133,8 @@ def test_at_zero_learning_rate_every_batch_statistics_method_predicts_as_global_
 def test_a_list_of_comparators_scores_routing_and_those_only_and_an_unknown_name_is_refused():
     experts, data = nets(), [sample("a", True), sample("bb", True)]
     res = route_site(experts[:2], experts[2], data, "cpu", {**CFG, "steps": 1}, comparators=["global_bn", "tent"])
-    assert sorted(res["methods"]) == ["global_bn", "routing", "tent"] and sorted(res["coefficients"]) == ["routing"]
+    assert sorted(res["methods"]) == ["global_bn", "routing", "routing_final", "tent"]
+    assert sorted(res["coefficients"]) == ["routing"]
     with pytest.raises(ValueError, match=r"iopfl.comparators: unknown \['tnet'\]"):
         route_site(experts[:2], experts[2], data, "cpu", CFG, comparators=["tnet"])
 
