@@ -28,7 +28,8 @@ def test_training_publishes_the_best_global_and_each_sites_p_k(tmp_path, monkeyp
             return FLModel(params={}, metrics={"val_dice": 0.4})
         if task == "test":
             return FLModel(params={}, metrics={"test": {"site": {"dice": 0.6}}})
-        return FLModel(params=prefixed("site", scaled(g0, factor[site])), meta={"round": 1})
+        return FLModel(params=prefixed("site", scaled(g0, factor[site])),
+                       meta={"round": 1, "fg_fraction": [factor[site] / 10]})
 
     stub = Stub(ctrl, reply)
     ctrl.round(0)
@@ -36,6 +37,7 @@ def test_training_publishes_the_best_global_and_each_sites_p_k(tmp_path, monkeyp
     assert [t for t, _, _ in stub.sent].count("submit_model") == 3
     bundle = load_file(tmp_path / "server" / "bundle.pt")
     assert bundle["sites"] == ["site-1", "site-2", "site-3"] and bundle["person_round"]["site-2"] == 1
+    assert bundle["fg_fraction"] == {"site-1": [0.2], "site-2": [0.3], "site-3": [0.4]}  # the size prior's inputs
     key = next(k for k, v in g0.items() if v.is_floating_point() and v.abs().sum() > 0)
     assert torch.allclose(bundle[f"person.site-3.{key}"], 4.0 * g0[key])
     assert torch.equal(unprefixed("global", bundle)[key], ctrl.best_state[key])
@@ -58,7 +60,9 @@ def routing(tmp_path, monkeypatch, targets):
     monkeypatch.setenv("PFLSEG_STATE_DIR", str(tmp_path))
     state = {"w": torch.ones(2)}
     bundle = tmp_path / "server" / "iopfl"  # the trained job's state folder, inside this server's state root
-    save_file(bundle / "bundle.pt", {"sites": ["site-1", "site-2"], **prefixed("global", state),
+    save_file(bundle / "bundle.pt", {"sites": ["site-1", "site-2"], "fg_fraction": {"site-1": [0.1, 0.4],
+                                                                                      "site-2": [0.3, 0.2]},
+                                     **prefixed("global", state),
                                                    **prefixed("person.site-1", state),
                                                    **prefixed("person.site-2", state)})
     cfg = load_job_config("iopfl_route", overrides={**TINY, "iopfl": {"bundle": str(bundle), "targets": targets}})
@@ -80,6 +84,7 @@ def test_routing_goes_to_outside_sites_only(tmp_path, monkeypatch, targets):
     sent = stub.sent[0][2]
     assert sorted(sent.params) == ["global.w", "person.site-1.w", "person.site-2.w"]
     assert sent.meta["inside_sites"] == ["site-1", "site-2"]
+    assert sent.meta["prior"] == pytest.approx([0.2, 0.3])  # per class, the mean of the inside sites' fractions
     assert json.loads((tmp_path / "server" / "iopfl_route" / "results.json").read_text())["targets"] == ["site-3"]
 
 
