@@ -141,7 +141,7 @@ def _iopfl_loso(args) -> int:
 #: needs and ignores the others)
 REPORTS = {"fedsm-benchmark": "pflseg.eval.fedsm_benchmark", "grace-benchmark": "pflseg.eval.grace_benchmark",
            "heterogeneity": "pflseg.eval.heterogeneity", "iopfl-cost": "pflseg.eval.iopfl_cost",
-           "speed": "pflseg.eval.speed"}
+           "routing-validation": "pflseg.eval.routing_validation", "speed": "pflseg.eval.speed"}
 
 
 def _report(args) -> int:
@@ -398,6 +398,19 @@ def _iopfl_cost_flags(p) -> None:
     p.add_argument("--json", help="also write the rows as JSON here")
 
 
+def _routing_validation_flags(p) -> None:
+    p.add_argument("--run", required=True, help="workspace of a finished `pflseg run iopfl` (its bundle)")
+    p.add_argument("--data", required=True, help="data root holding the validation sites")
+    p.add_argument("--sites", nargs="+", required=True,
+                   help="validation sites: near_copy / extrapolate outside sites, or an inside site left out of --run")
+    p.add_argument("--variants", nargs="+", help="loss variants (default: all of pflseg.eval.routing_validation)")
+    p.add_argument("--rates", nargs="+", type=float, help="router learning rates (default 0.001 0.01 0.1)")
+    p.add_argument("--steps", type=int, default=0, help="optimizer steps per run (default: the run's iopfl budget)")
+    p.add_argument("--every", type=_positive, default=38, help="score every this many steps (default 38)")
+    p.add_argument("--seed", type=int, default=0, help="router init, batch order and noise (default 0)")
+    p.add_argument("--out", help="folder of routing_validation.json/.md (default: --run)")
+
+
 def _speed_flags(p) -> None:
     from pflseg.eval import speed  # its own flags (a light import: no torch at module level)
 
@@ -417,6 +430,8 @@ REPORT_PARSERS = {
     "heterogeneity": ("how different the synthetic sites are (each inside site's Local vs FedAvg)",
                       _heterogeneity_flags),
     "iopfl-cost": ("IOP-FL routing's cost per image against one UNet forward", _iopfl_cost_flags),
+    "routing-validation": ("does routing's unsupervised loss track Dice? variants and rates at validation outside "
+                           "sites (never the judged ones)", _routing_validation_flags),
     "speed": ("wall per round, FLARE's fixed cost and memory per method (simulator and POC)", _speed_flags),
 }
 

@@ -179,3 +179,41 @@ def write(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "routing_validation.json").write_text(json.dumps(report, indent=1))
     (out / "routing_validation.md").write_text(to_markdown(report))
+
+
+def check_sites(data: str | Path, sites: list[str], inside: list[str]) -> None:
+    """Validation sites only: never a site of the bundle, never a generated site the bench judges (``blend``)."""
+    profiles = json.loads((Path(data) / "dataset.json").read_text()).get("site_profiles", {})
+    bad = [f"{s} trained in the bundle's federation" for s in sites if s in inside]
+    bad += [f"{s} is the bench's judged outside site (blend): choosing on it would choose on the judged labels"
+            for s in sites if profiles.get(s, {}).get("outside_kind") == "blend"]
+    if bad:
+        raise ValueError("--sites: " + "; ".join(bad) + ". Use validation sites: a near_copy or extrapolate outside "
+                         "site (pflseg data synth --outside near_copy extrapolate) or an inside site left out of the "
+                         "training run")
+
+
+def report(run: str | None = None, data: str | None = None, sites=None, variants=None, rates=None, steps: int = 0,
+           every: int = 0, seed: int = 0, out: str | None = None, **_) -> str:
+    """``pflseg report routing-validation``: the table of :func:`validate_routing` for the IOP-FL training run in
+    ``run`` (its workspace: ``run.json`` and the server's ``bundle.pt``), written to ``out`` (default ``run``)."""
+    if not run or not data or not sites:
+        raise ValueError("routing-validation needs --run (an IOP-FL training run's workspace), --data and --sites")
+    ws = Path(run)
+    record = ws / "run.json"
+    bundles = sorted(ws.glob("state/server/*/bundle.pt"))
+    if not record.is_file() or not bundles:
+        raise ValueError(f"--run {run}: no run.json or state/server/<job>/bundle.pt there; give the workspace of a "
+                         "finished `pflseg run iopfl` (iopfl.publish: true)")
+    cfg = json.loads(record.read_text())["config"]
+    inside = list(load_file(bundles[0])["sites"])
+    check_sites(data, list(sites), inside)
+    names = list(variants or VARIANTS)
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
+    torch.set_num_threads(1)  # measured: 2 threads beside other work ran one step 4x slower
+    result = validate_routing(bundles[0], cfg, data, list(sites), {v: VARIANTS[v] for v in names},
+                              list(rates or [1e-3, 1e-2, 1e-1]), every or 38, seed, steps)
+    write(result, Path(out or ws))
+    return to_markdown(result)
