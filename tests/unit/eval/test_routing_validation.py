@@ -35,8 +35,8 @@ def run(tmp_path_factory):
 def test_curves_hold_step_0_every_k_steps_and_the_end_and_rho_is_a_rank_correlation(run):
     root, ws = run
     cfg = json.loads((ws / "run.json").read_text())["config"]
-    report = rv.validate_routing(ws / "state/server/iopfl/bundle.pt", cfg, root, ["site-3"], {"mean+prior1": rv.VARIANTS["mean+prior1"]}, [1e-2], every=2,
-                                 steps=5)
+    report = rv.validate_routing(ws / "state/server/iopfl/bundle.pt", cfg, root, ["site-3"],
+                                 {"mean+prior1": rv.VARIANTS["mean+prior1"]}, [1e-2], every=2, steps=5)
     site = report["variants"]["mean+prior1"]["sites"]["site-3"]
     curve = site["curves"][0]
     assert [p["step"] for p in curve["points"]] == [0, 2, 4, 5]
