@@ -32,7 +32,7 @@ def test_package_mode_fedavg(fed, tmp_path):
     assert not (folder / "app" / "custom").exists()  # no code in the job: no byoc right needed
     res = submit(folder, fed.admin_kit(), out=tmp_path / "dl", progress=lambda m: None, poll=0.5)
     check_per_site(res, SITES)
-    assert [h["round"] for h in res["history"]] == [0, 1] and not res["missing"]
+    assert [h["round"] for h in res["history"]] == [1, 2] and not res["missing"]
     assert all(0.0 <= res["test"][s]["global"]["dice"] <= 1.0 for s in SITES)
 
 
@@ -43,7 +43,7 @@ def test_a_recipe_on_prodenv_runs_at_the_federation(fed, tmp_path):
     download = run.get_result(timeout=300)
     res = json.loads(next(Path(download).rglob("results.json")).read_text())
     check_per_site({**res, "status": run.get_status()}, SITES)
-    assert res["job"] == "fedavg_recipe" and [h["round"] for h in res["history"]] == [0]
+    assert res["job"] == "fedavg_recipe" and [h["round"] for h in res["history"]] == [1]
 
 
 def test_a_leads_byoc_job_is_refused(fed, tmp_path):
@@ -120,11 +120,11 @@ def test_straggler_beyond_the_timeout_is_left_out_then_back(fed, tmp_path):
                  progress=progress, poll=0.5)
     assert "done" in progress.seen, "never saw round 1 finish"
     assert "timed out" in res["missing"]["site-3"]
-    assert rounds_of(res, "site-1") == [0, 1, 2, 3]
+    assert rounds_of(res, "site-1") == [1, 2, 3, 4]
     late = rounds_of(res, "site-3")
     # out of the round it was stopped in (round 1, or 2 where it had answered round 1 before the stop took effect:
     # the Executor site answers without a poll), re-admitted after
-    assert late[0] == 0 and len(late) < 4 and late[-1] == 3, late
+    assert late[0] == 1 and len(late) < 4 and late[-1] == 4, late
     check_per_site(res, SITES)  # and tested at the end with its own state
 
 
@@ -140,7 +140,7 @@ def test_site_restarted_mid_job_is_left_out_of_that_job_only(fed, tmp_path):
 
     res = submit(job(tmp_path, "fedbn", rounds=3, task_timeout=60), fed.admin_kit(), out=tmp_path / "dl",
                  progress=on_round(1, restart), poll=0.5)
-    assert rounds_of(res, "site-3") in ([0], [0, 1]) and rounds_of(res, "site-1") == [0, 1, 2]
+    assert rounds_of(res, "site-3") in ([1], [1, 2]) and rounds_of(res, "site-1") == [1, 2, 3]
     check_per_site(res, ["site-1", "site-2"], status=("FINISHED:COMPLETED", "FINISHED:ABNORMAL"))
     assert fed.wait_connected(timeout=120) == SITES  # back for the next job (the shutdown below needs it too)
 

@@ -48,7 +48,7 @@ def test_server_killed_mid_round_then_resumed_gives_the_uninterrupted_models(fed
     resumed = submit(job(tmp_path / "3", "fedavg", resume=True), fed.admin_kit(), out=tmp_path / "dl3",
                      progress=lambda m: None, poll=0.5)
     check_per_site(resumed, SITES)
-    assert [h["round"] for h in resumed["history"]] == [0, 1] and not resumed["missing"]
+    assert [h["round"] for h in resumed["history"]] == [1, 2] and not resumed["missing"]
     a, b = (unprefixed("global", load_file(aside / "final.pt")),
             unprefixed("global", load_file(state / name / "final.pt")))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -73,7 +73,7 @@ def test_site_dead_for_good_under_the_default_timeout_job_finishes_without_it(fe
     assert "killed" in t, "never saw round 1 finish"
     assert time.time() - t["killed"] < 400  # the dead-client path, not the 3600 s task timeout, ended round 2
     assert res["config"]["task_timeout"] == default == 3600
-    assert [h["round"] for h in res["history"]] == [0, 1]
+    assert [h["round"] for h in res["history"]] == [1, 2]
     assert "site-3" in res["missing"] and sorted(res["test"]) == ["site-1", "site-2"]
     # FLARE may call the job abnormal (a site's job process died); pflseg's results are complete
     check_per_site(res, ["site-1", "site-2"], status=("FINISHED:COMPLETED", "FINISHED:ABNORMAL"))

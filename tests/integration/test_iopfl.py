@@ -37,7 +37,7 @@ def test_one_thread_resumed_equals_two_threads_uninterrupted(trained, tmp_path, 
         assert set(h["val_dice"]) == {"site-1", "site-2"}
     run("iopfl", tmp_path, data, threads=1, rounds=1)
     resumed = run("iopfl", tmp_path, data, threads=2, rounds=2, resume=True)  # -t 1 before the stop, -t 2 after
-    assert [h["round"] for h in resumed["history"]] == [0, 1]
+    assert [h["round"] for h in resumed["history"]] == [1, 2]
     assert resumed["test"] == straight["test"]
     assert_same_states(server_state(ws, "iopfl"), server_state(tmp_path, "iopfl"))
     for site in straight["sites"]:  # P_k, Adam moments, the round's global model: on the site's disk

@@ -36,7 +36,7 @@ def test_a_1e30_site_with_n_k_1e6_is_left_out_and_the_job_finishes(tmp_path, mon
     job = export_job("fedavg", tmp_path / "jobs", overrides=TINY)
     res = run_simulator(job, tmp_path / "ws", n_sites=3, data=data, progress=lambda m: None)
     assert set(res["missing"]) == {"site-3"} and "update norm" in res["missing"]["site-3"]
-    assert [h["round"] for h in res["history"]] == [0, 1]
+    assert [h["round"] for h in res["history"]] == [1, 2]
     assert all(set(h["val_dice"]) == {"site-1", "site-2"} for h in res["history"])  # left out of every round
     assert 0.0 <= res["history"][-1]["val_dice_mean"] < 1.0  # its Dice 1.0 counted nowhere
     for site in ("site-1", "site-2", "site-3"):  # every site tests the (honest) best global model

@@ -99,7 +99,7 @@ def test_job_completes_with_per_site_test_dice(name, tmp_path, data):
     sites = [f"site-{i}" for i in range(1, expect["sites"] + 1)]
     res = run(name, tmp_path, data, sites=len(sites))
     assert res["sites"] == sites and not res["missing"]
-    assert [h["round"] for h in res["history"]] == list(range(expect["rounds"]))
+    assert [h["round"] for h in res["history"]] == list(range(1, expect["rounds"] + 1))  # counted from 1
     for site in res["sites"]:
         test = res["test"][site]
         assert 0.0 <= test["site"]["dice"] <= 1.0 and test["site"]["n_cases"] >= 1
@@ -152,7 +152,7 @@ def test_threads_and_resume_do_not_change_the_models(name, tmp_path, data):
         assert list((tb / server).rglob("events.*"))
     run(name, tmp_path / "resumed", data, sites=2, threads=1, rounds=1, **over)
     resumed = run(name, tmp_path / "resumed", data, sites=2, threads=2, rounds=2, resume=True, **over)
-    assert [h["round"] for h in resumed["history"]] == [0, 1]
+    assert [h["round"] for h in resumed["history"]] == [1, 2]
     assert resumed["test"] == straight["test"]
     assert_same_states(server_state(tmp_path / "straight", name), server_state(tmp_path / "resumed", name))
     for site in straight["sites"]:

@@ -26,7 +26,7 @@ def test_fedavg_with_flare_filters_on_differences_runs_end_to_end(tmp_path):
     data = make_synthetic(tmp_path / "data", n_sites=3, cases=4, size=32, depth=4)
     job = export_job("fedavg", tmp_path / "jobs", overrides=TINY)
     res = run_simulator(job, tmp_path / "ws", n_sites=3, data=data, progress=lambda m: None)
-    assert res["missing"] == {} and [h["round"] for h in res["history"]] == [0, 1]
+    assert res["missing"] == {} and [h["round"] for h in res["history"]] == [1, 2]
     assert all(set(h["val_dice"]) == {"site-1", "site-2", "site-3"} for h in res["history"])
     assert all(0.0 <= res["test"][s]["global"]["dice"] <= 1.0 for s in ("site-1", "site-2", "site-3"))
 

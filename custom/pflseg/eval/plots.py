@@ -66,7 +66,7 @@ def val_curves(results: dict) -> dict[str, list[tuple[int, float]]]:
     key, curves = reported_key(results), {}
     for h in results.get("history", []):
         for site, dice in sorted(reported_val_dice(h, key).items()):
-            curves.setdefault(site, []).append((int(h["round"]) + 1, dice))
+            curves.setdefault(site, []).append((int(h["round"]), dice))
     return curves
 
 
@@ -76,7 +76,7 @@ def mean_curve(results: dict) -> list[tuple[int, float]]:
     for h in results.get("history", []):
         values = list(reported_val_dice(h, key).values())
         if values:
-            out.append((int(h["round"]) + 1, sum(values) / len(values)))
+            out.append((int(h["round"]), sum(values) / len(values)))
     return out
 
 
@@ -94,7 +94,12 @@ def plot_lines(curves: dict[str, list[tuple[int, float]]], path: str | Path, tit
         ax.plot(xs, ys, marker=markers[i % len(markers)], markersize=6 - 0.5 * (i % 6), linewidth=2.5 - 0.25 * (i % 6),
                 label=label, **style)
     ax.set(xlabel="round", ylabel=ylabel, title=title, ylim=(0, 1))
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    rounds = sorted({x for points in curves.values() for x, _ in points})
+    if rounds and rounds[-1] - rounds[0] < 10:  # a few rounds (one too): a tick on each, half a round of margin
+        ax.set_xticks(range(int(rounds[0]), int(rounds[-1]) + 1))
+        ax.set_xlim(rounds[0] - 0.5, rounds[-1] + 0.5)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     if curves:
         ax.legend(fontsize="small")

@@ -83,10 +83,11 @@ def floor_seconds(kind: str, env: str) -> float | None:
 
 
 def measured(history: list[dict], skip: int | None = None) -> list[dict]:
-    """The history entries measured: rounds >= ``skip`` (default: 1 when there are several rounds, else 0)."""
+    """The history entries measured: all but the first ``skip`` rounds (default: the first, when there are several;
+    it loads the data)."""
     if skip is None:
         skip = 1 if len(history) > 1 else 0
-    return [h for h in history if h.get("round", 0) >= skip]
+    return list(history[skip:])
 
 
 def round_costs(history: list[dict], skip: int | None = None) -> dict:

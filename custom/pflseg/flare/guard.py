@@ -126,7 +126,7 @@ def result_notes(ctrl) -> dict:
     rejected = {str(h["round"]): h["aggregate_rejected"] for h in ctrl.history if "aggregate_rejected" in h}
     if rejected:
         out["aggregates_rejected"] = rejected
-    capped = {site: f"n_k {m['n_k_claimed']} capped to {m['n_k_capped']} (round {h['round'] + 1})"
+    capped = {site: f"n_k {m['n_k_claimed']} capped to {m['n_k_capped']} (round {h['round']})"
               for h in ctrl.history for site, m in (h.get("site_metrics") or {}).items()
               if isinstance(m, dict) and "n_k_capped" in m}
     if capped:

@@ -6,9 +6,10 @@ job folder; ``nvflare job download`` lists them as the job's ``round_metrics`` /
 pflseg's controllers do not fire the events that writer listens to, so they write the same files themselves
 (``RoundController``: the jsonl after every round, both at the end, next to results.json), in FLARE's schema:
 
-- a round: ``{"round": r (0-based), "aggregated_metrics": [{"name", "value"}], "sites": [{"name", "metrics":
-  [{"name", "value"}], "weight", "weight_key"}], "skipped_metrics": [{"name", "reason", "site"}], "key_metric":
-  {"name": "val_dice_mean", "mode": "max"}}``. Metric names are values, never keys; values are finite numbers or
+- a round: ``{"round": r (0-based, FLARE's count; results.json's history counts from 1: r + 1),
+  "aggregated_metrics": [{"name", "value"}], "sites": [{"name", "metrics": [{"name", "value"}], "weight",
+  "weight_key"}], "skipped_metrics": [{"name", "reason", "site"}], "key_metric": {"name": "val_dice_mean", "mode":
+  "max"}}``. Metric names are values, never keys; values are finite numbers or
   booleans (anything else is listed in ``skipped_metrics`` with its reason, as FLARE does). A site's metrics are
   the ones it reported that round (``history[r].site_metrics``) plus the server's per-site entries of the round
   (``val_dice``, ``site_compute_seconds``); its weight is its training samples (n_samples, the n_k of
@@ -75,7 +76,7 @@ def round_record(entry: dict) -> dict:
         if isinstance(weight, (int, float)) and not isinstance(weight, bool) and weight > 0:
             record.update(weight=weight, weight_key=WEIGHT_KEY)
         sites.append(record)
-    return {"round": entry["round"], "aggregated_metrics": aggregated, "sites": sites, "skipped_metrics": skipped,
+    return {"round": entry["round"] - 1, "aggregated_metrics": aggregated, "sites": sites, "skipped_metrics": skipped,
             "key_metric": dict(KEY_METRIC)}
 
 
@@ -129,7 +130,8 @@ def summary(results: dict) -> dict | None:
     }
     if isinstance(best_round, int) and not isinstance(best_round, bool) and best_round >= 0:
         out["best_round"] = best_round  # == len(history): the final global model, scored after the last round
-        best = next((e for e in history if e.get("round") == best_round), None)
+        # the model after k rounds is scored as the (k+1)-th round starts: history round k + 1, FLARE's round k
+        best = next((e for e in history if e.get("round") == best_round + 1), None)
         if best is not None:
             out["best_aggregated_metrics"] = round_record(best)["aggregated_metrics"]
     return out

@@ -17,9 +17,9 @@ def _metrics(dice, **extra):
 
 RESULTS = {
     "job": "fedavg", "method": "fedavg", "missing": {},
-    "history": [{"round": 0, "val_dice": {"site-2": 0.5, "Hospital_A": 0.25}},
-                {"round": 1, "val_dice": {"site-2": 0.75, "Hospital_A": 0.5}},
-                {"round": 2, "val_dice": {"site-2": 1.0}}],  # Hospital_A left out of round 2
+    "history": [{"round": 1, "val_dice": {"site-2": 0.5, "Hospital_A": 0.25}},
+                {"round": 2, "val_dice": {"site-2": 0.75, "Hospital_A": 0.5}},
+                {"round": 3, "val_dice": {"site-2": 1.0}}],  # Hospital_A left out of round 3
     "test": {"site-2": {"global": _metrics(0.5), "site": _metrics(0.25, selected_round=1)},
              "Hospital_A": {"global": _metrics(0.75), "site": _metrics(0.5, selected_round=0)}},
 }
@@ -88,7 +88,7 @@ def test_plot_lines_writes_a_png(tmp_path):
 #: site's model after local training (val_dice_local: what LC-Fed reports, test Dice 0.76) near 0.76
 LCFED = {"job": "lcfed", "method": "lcfed",
          "history": [{"round": r, "val_dice": {"site-1": 0.06}, "site_metrics": {
-             "site-1": {"val_dice": 0.06, "val_dice_local": 0.70 + r / 100, "steps": 5}}} for r in range(3)]}
+             "site-1": {"val_dice": 0.06, "val_dice_local": 0.69 + r / 100, "steps": 5}}} for r in (1, 2, 3)]}
 
 
 def test_a_personalized_methods_curve_is_its_reported_model_not_the_received_one():
@@ -116,3 +116,14 @@ def test_curve_plots_have_integer_round_ticks(tmp_path, monkeypatch):
     plot_lines({"a": [(1, 0.5), (2, 0.6), (3, 0.7)]}, tmp_path / "c.png", "t")
     ticks = [t for t in seen[0].axes[0].get_xticks() if 1 <= t <= 3]
     assert ticks and all(float(t).is_integer() for t in ticks)
+
+
+@pytest.mark.skipif(not MATPLOTLIB, reason="needs matplotlib")
+def test_a_one_round_plot_has_one_tick_on_round_1(tmp_path, monkeypatch):
+    """Before: val_dice.png of a 1-round run had ticks 0.945 ... 1.050."""
+    import matplotlib.pyplot as plt
+
+    seen = []
+    monkeypatch.setattr(plt, "close", lambda fig: seen.append(fig))
+    plot_lines({"a": [(1, 0.5)], "mean": [(1, 0.5)]}, tmp_path / "c.png", "t")
+    assert [float(t) for t in seen[0].axes[0].get_xticks()] == [1.0]

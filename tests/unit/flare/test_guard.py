@@ -78,7 +78,7 @@ def test_a_plausible_update_with_n_k_1e6_is_capped_to_100x_the_others_median(tmp
     expected = g0[key] * (10 * 1.01 + 120 * 1.02 + cap * 1.03) / (10 + 120 + cap)
     assert torch.allclose(ctrl.global_state[key], expected, atol=1e-6)
     assert ctrl.best["score"] == pytest.approx((0.2 * 10 + 0.2 * 120 + 1.0 * cap) / (130 + cap))  # bounded weight
-    ctrl.history.append({"round": 0, "site_metrics": out.site_metrics})  # as run_rounds keeps (and checkpoints) it
+    ctrl.history.append({"round": 1, "site_metrics": out.site_metrics})  # as run_rounds keeps (and checkpoints) it
     assert result_notes(ctrl)["n_k_capped"]["site-3"] == "n_k 1000000 capped to 6500 (round 1)"
     stub.reply = reply
     ctrl.round(1)  # the same n_k again: above its first accepted (capped) value, so it is left out
@@ -229,7 +229,7 @@ def test_a_non_finite_aggregate_keeps_the_previous_global_model(tmp_path, monkey
     assert all("not used" in h["aggregate_rejected"] and f"'global_state.{key}'" in h["aggregate_rejected"]
                for h in ctrl.history)
     assert any("kept its previous model" in e for e in errors)
-    assert set(result_notes(ctrl)["aggregates_rejected"]) == {"0", "1"}
+    assert set(result_notes(ctrl)["aggregates_rejected"]) == {"1", "2"}  # rounds count from 1
     saved = ctrl.store.load(1)
     assert torch.equal(unprefixed("global", saved)[key], g0[key])  # the checkpoint holds the kept model
 

@@ -9,7 +9,7 @@ from pflseg.flare import metrics_files
 from pflseg.flare.state import prefixed, unprefixed
 from tests.unit.flare.controllers.conftest import Stub, make
 
-ENTRY = {"round": 1, "wall_seconds": 2.5, "val_dice_mean": 0.625, "val_dice": {"a": 0.5, "b": 0.75},
+ENTRY = {"round": 2, "wall_seconds": 2.5, "val_dice_mean": 0.625, "val_dice": {"a": 0.5, "b": 0.75},
          "site_compute_seconds": {"a": 1.0, "b": 2.0},
          "site_metrics": {"a": {"n_samples": 8, "train_loss": 0.25, "val_dice": 0.5, "note": "x"},
                           "b": {"n_samples": 24, "train_loss": float("nan"), "val_dice": 0.75}}}
@@ -17,7 +17,8 @@ ENTRY = {"round": 1, "wall_seconds": 2.5, "val_dice_mean": 0.625, "val_dice": {"
 
 def test_a_round_in_flares_schema_names_as_values_weights_and_skipped():
     rec = metrics_files.round_record(ENTRY)
-    assert rec["round"] == 1 and rec["key_metric"] == {"name": "val_dice_mean", "mode": "max"}
+    assert rec["round"] == 1  # FLARE counts from 0: results.json's round 2
+    assert rec["key_metric"] == {"name": "val_dice_mean", "mode": "max"}
     assert rec["aggregated_metrics"] == [{"name": "wall_seconds", "value": 2.5},
                                          {"name": "val_dice_mean", "value": 0.625}]
     a, b = rec["sites"]
@@ -27,12 +28,12 @@ def test_a_round_in_flares_schema_names_as_values_weights_and_skipped():
     assert b["weight"] == 24 and "train_loss" not in {m["name"] for m in b["metrics"]}
     assert rec["skipped_metrics"] == [{"name": "note", "reason": "unsupported_type", "site": "a"},
                                       {"name": "train_loss", "reason": "non_finite_number", "site": "b"}]
-    lines = metrics_files.round_lines([ENTRY, {**ENTRY, "round": 2}]).splitlines()
+    lines = metrics_files.round_lines([ENTRY, {**ENTRY, "round": 3}]).splitlines()
     assert [json.loads(line)["round"] for line in lines] == [1, 2]
 
 
 def test_summary_has_flares_fields_and_the_test_metrics():
-    results = {"job": "fedavg", "best_global_round": 1, "history": [{**ENTRY, "round": 0}, ENTRY],
+    results = {"job": "fedavg", "best_global_round": 1, "history": [{**ENTRY, "round": 1}, ENTRY],
                "test": {"a": {"global": {"dice": 0.5, "dice_per_class": [0.5, 0.25], "assd": None, "n_cases": 2}}}}
     s = metrics_files.summary(results)
     assert s["schema_version"] == "1" and s["status"] == "metrics_reported" and s["job_name"] == "fedavg"

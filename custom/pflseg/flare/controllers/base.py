@@ -321,7 +321,9 @@ class RoundController(ModelController):
             if rejected:
                 out.metrics = {**out.metrics, "aggregate_rejected": rejected}
             wall, compute = time.time() - t0, out.compute
-            self.history.append({"round": r, "wall_seconds": wall, "site_compute_seconds": compute,
+            # rounds count from 1 in results.json (as in the log); a model is named by the rounds it has seen
+            # (best_global_round, selected_round: 0 = the initial model, k = the model after round k)
+            self.history.append({"round": r + 1, "wall_seconds": wall, "site_compute_seconds": compute,
                                  "site_metrics": out.site_metrics, **out.metrics})
             self.store.save(r, self.checkpoint(r))
             rounds_file = self.store.root / metrics_files.FOLDER / metrics_files.ROUNDS  # FLARE's format, each round

@@ -298,7 +298,9 @@ class Site:
 
     def track(self, model, round_num: int) -> dict:
         """Validation metrics of ``model``; it becomes the site's best model (``best.pt``: ``best_state``) if it
-        scores higher."""
+        scores higher. ``round_num``: the rounds the model has seen (0: the initial model, k: the model after round
+        k, counted from 1: the received model of 0-based round r is r, the one trained in it r + 1), which the
+        final test reports as ``selected_round``."""
         metrics = self.evaluate(model)
         best = self.best_score()
         if best is None or metrics["dice"] > best:

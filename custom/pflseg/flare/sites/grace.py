@@ -37,7 +37,7 @@ class GraceSite(FedAvgSite):
         return self.evaluate(model)
 
     def score_after(self, model, round_num: int) -> dict:
-        return self.track(model, round_num)
+        return self.track(model, round_num + 1)  # the model after this round's (0-based round_num's) training
 
     def round_hooks(self, model, prev: dict):
         grace = self.cfg["grace"]

@@ -61,7 +61,7 @@ class IOPFLSite(Site):
                                unprefixed("globalin", prev) or None, iopfl["tau"])
         net = build_net(cfg["net"])
         net.load_state_dict(person)
-        val_p = self.track(net, r)  # best.pt = the best P_k by validation Dice
+        val_p = self.track(net, r + 1)  # best.pt = the best P_k by validation Dice (P_k after round r + 1)
         metrics = {"val_dice": val_g["dice"], "val_dice_person": val_p["dice"], "train_loss": stats["loss"],
                    "n_samples": stats["samples"], "steps": stats["steps"]}
         if round_test:

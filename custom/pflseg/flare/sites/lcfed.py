@@ -126,7 +126,7 @@ class LCFedSite(Site):
         send = prefixed("global", {k: trained[k] for k in self.shared})
         if exchanges_heads(self.step_cfg):  # the other sites' disagreement maps need this site's coarse head
             send.update(prefixed("head", cpu_state(net.head)))
-        after = self.track(model, r)  # the personalized model: after local training
+        after = self.track(model, r + 1)  # the personalized model: after local training (of round r + 1)
         metrics = {"val_dice": val["dice"], "val_dice_local": after["dice"], "train_loss": stats["loss"],
                    "n_samples": stats["samples"], "steps": stats["steps"]}
         return Step(send, {"optim.model": optim, **prefixed("model", trained)}, metrics, stats["samples"])
