@@ -64,7 +64,7 @@ def test_tables():
     assert "| Local | 0.500 | **-** |" in md  # one seed: no "± 0.000"
     route = {"route": {"site-3": {"methods": {"global": {"dice": 0.25}, "routing": {"dice": None}},
                                   "seconds_per_sample": 0.5}}}
-    assert route_table(route).splitlines()[-1].startswith("| site-3 |")
+    assert any(line.startswith("| site-3 |") for line in route_table(route).splitlines())
 
 
 def fake_simulator(calls):
