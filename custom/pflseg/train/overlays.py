@@ -78,6 +78,15 @@ def render(image: torch.Tensor, label: torch.Tensor, pred: torch.Tensor, title: 
     return canvas
 
 
+def overlay_title(site: str, case: str, slice_index: int | None, dice: float, tag: str) -> str:
+    """An overlay's title, each part named (PIL's small default font makes a bare space easy to miss: "HospitalA
+    case002" read as one word): ``site HospitalA | case case002 | slice 4 | Dice 0.812 (best-1)``."""
+    parts = ([f"site {site}"] if site else []) + [f"case {case}"]
+    if slice_index is not None:
+        parts.append(f"slice {slice_index}")
+    return " | ".join(parts + [f"Dice {dice:.3f} ({tag})"])
+
+
 def _safe(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "case"
 
@@ -118,8 +127,7 @@ def write_overlays(model: torch.nn.Module, dataset, device: torch.device, out_di
     for tag, case, dice in chosen:
         item = slices[case]
         pred = (torch.sigmoid(amp_forward(model, item["image"][None].to(device), dtype)) > 0.5)[0].cpu()
-        where = f" slice {int(item['slice'])}" if depth[case] > 1 else ""
-        title = f"{site} {case}{where}: Dice {dice:.3f} ({tag})"
+        title = overlay_title(site, case, int(item["slice"]) if depth[case] > 1 else None, dice, tag)
         path = out_dir / f"{tag}_{_safe(case)}.png"
         render(item["image"], item["label"] > 0.5, pred, title).save(private_file(path), format="PNG")
         paths.append(path)

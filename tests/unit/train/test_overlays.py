@@ -66,3 +66,12 @@ def test_overlays_and_predictions_are_private_whatever_the_umask(tmp_path):
     written = [*paths, *(tmp_path / "predictions").iterdir()]
     assert sorted(p.name for p in written) == ["a.png", "b.nii.gz", "best-1_case1.png", "worst-1_case0.png"]
     assert {mode(p) for p in written} == {0o600}
+
+
+def test_the_title_names_the_site_and_the_case_apart():
+    """Before: "HospitalA case002" drawn in PIL's small font read as "HospitalAcase002"."""
+    from pflseg.train.overlays import overlay_title
+
+    assert overlay_title("HospitalA", "case002", None, 0.8123, "best-1") == \
+        "site HospitalA | case case002 | Dice 0.812 (best-1)"
+    assert overlay_title("", "c", 4, 0.5, "worst-1") == "case c | slice 4 | Dice 0.500 (worst-1)"
