@@ -190,7 +190,8 @@ def _site_init(args) -> int:
 
     policy = site_policy(_names(args.methods), args.no_per_case, args.no_round_test, args.no_publish,
                          args.allow_pooling, args.allow_two_sites)
-    site_init(args.site_dir, args.data, args.site_name, args.data_site, args.device, args.state_dir, policy)
+    site_init(args.site_dir, args.data, args.site_name, args.data_site, args.device, args.state_dir, policy,
+              args.threads)
     return 0
 
 
@@ -493,7 +494,9 @@ def _site_parsers(sub) -> None:
                                       "state folder, the site's policy)")
     init.set_defaults(func=_site_init)
     _flags(init, data={"required": True, "help": "the site's data root (made by `pflseg data index|synth`)"},
-           device="auto, cpu, cuda or cuda:N (checked on this machine)")
+           device={"default": None, "help": "auto, cpu, cuda or cuda:N (checked on this machine; default: the earlier "
+                                            "setting, else auto)"},
+           threads="torch CPU threads of the site's jobs (default: the earlier setting, else torch's)")
     init.add_argument("--data-site", help="the site's folder name in the data root (default: FLARE site name)")
     init.add_argument("--state-dir", help="where the site keeps models and state (default: <site-dir>/pflseg_state); "
                                           "made with mode 0700, may lie outside the kit")

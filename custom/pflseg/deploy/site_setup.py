@@ -29,28 +29,57 @@ def site_policy(methods: list[str] | None = None, no_per_case: bool = False, no_
     return {key: value for key, value in policy.items() if value is not None}
 
 
+def require_kit(site_dir: str | Path) -> Path:
+    """``site_dir`` if it is a FLARE site's startup kit (``startup/fed_client.json``, as provisioning makes it).
+
+    Raises:
+        ValueError: it is not (the server's or an admin's kit, or another folder), naming it and the fix.
+    """
+    kit = Path(site_dir).resolve()
+    startup = kit / "startup"
+    if (startup / "fed_client.json").is_file():
+        return kit
+    if (startup / "fed_server.json").is_file():
+        what = "the server's startup kit, not a site's"
+    elif (startup / "fed_admin.json").is_file():
+        what = "an admin's startup kit, not a site's"
+    else:
+        what = "not a FLARE site's startup kit (no startup/fed_client.json)"
+    raise ValueError(f"--site-dir {kit} is {what}: run this in the site's kit folder (the one provisioning made for "
+                     "the site, e.g. <provision workspace>/prod_00/site-1), or pass that folder with --site-dir")
+
+
 def site_init(site_dir: str | Path, data: str | Path, name: str | None = None, data_site: str | None = None,
-              device: str = "auto", state_dir: str | Path | None = None, policy: dict | None = None,
-              say=print) -> Path:
-    """Check, then write the site's settings (``pflseg.flare.settings.init_site``) and ``say`` where.
+              device: str | None = None, state_dir: str | Path | None = None, policy: dict | None = None,
+              threads: int | None = None, say=print) -> Path:
+    """Check, then write the site's settings (``pflseg.flare.settings.init_site``: what is not given keeps its earlier
+    value) in the site's kit (``require_kit``) and ``say`` where and what was kept.
 
     Returns:
         The settings file written.
 
     Raises:
-        ValueError: the settings would not work (every problem named); nothing is written.
+        ValueError: ``site_dir`` is not a site's kit, or the settings would not work (every problem named);
+            nothing is written.
     """
+    require_kit(site_dir)
     name = site_name(site_dir, name)
-    target, problems = init_site(site_dir, name, data, data_site, device, state_dir, policy)
+    target, problems, kept = init_site(site_dir, name, data, data_site, device, state_dir, policy, threads)
     if problems:
         raise ValueError(f"site {name}: nothing written to {target}:\n" + "\n".join(f"  - {p}" for p in problems))
-    say(f"wrote {target} (mode 0600); check it with `pflseg site check --site-dir {site_dir}`")
+    say(f"wrote {target} (mode 0600)" + (f"; kept from the earlier settings: {', '.join(kept)}" if kept else "")
+        + f"; check it with `pflseg site check --site-dir {site_dir}`")
     return target
 
 
 def site_check(site_dir: str | Path, name: str | None = None, say=print) -> bool:
     """``say`` the site's settings and policy and whether its data validates (``site_report``); True when it
-    does."""
+    does.
+
+    Raises:
+        ValueError: ``site_dir`` is not a site's kit (``require_kit``).
+    """
+    require_kit(site_dir)
     lines, problems = site_report(site_dir, site_name(site_dir, name))
     say("\n".join(lines))
     return not problems

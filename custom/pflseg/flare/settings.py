@@ -70,34 +70,63 @@ def site_settings(site: str, folder: str | Path | None = None) -> dict:
     return settings
 
 
-def init_site(site_dir: str | Path, site: str, data: str | Path, data_site: str | None = None, device: str = "auto",
-              state_dir: str | Path | None = None, policy: dict | None = None) -> tuple[Path, list[str]]:
+def init_site(site_dir: str | Path, site: str, data: str | Path, data_site: str | None = None,
+              device: str | None = None, state_dir: str | Path | None = None, policy: dict | None = None,
+              threads: int | None = None) -> tuple[Path, list[str], list[str]]:
     """Check, then write ``<site_dir>/local/pflseg_site.json`` (mode 0600) for FLARE site ``site``
-    (``pflseg site init``); a ``state_dir`` is made with mode 0700 (it may lie outside the kit).
+    (``pflseg site init``); a ``state_dir`` is made with mode 0700 (it may lie outside the kit). What is not given
+    here (None: ``data_site``, ``device``, ``state_dir``, ``threads``, each key of ``policy``) keeps the value of
+    the settings file already there, e.g. the ``threads`` ``pflseg deploy local`` wrote; ``device`` is ``auto``
+    when neither says.
 
     Returns:
-        ``(settings file, problems)``: nothing is written when there are problems (``check_site``).
+        ``(settings file, problems, kept)``: nothing is written when there are problems (``check_site``); ``kept``
+        names the earlier settings kept (``threads=2``, ``policy.methods``).
 
     Raises:
         PolicyError: ``policy`` has an unknown key or a value of the wrong kind.
+        DataError: the settings file there is not valid (named, with the fix).
     """
     target = Path(site_dir) / "local" / SETTINGS_FILE
-    body = {"data": str(Path(data).expanduser().resolve()), "device": device}
-    if data_site:
-        body["data_site"] = data_site
-    if state_dir:
-        body["state_dir"] = str(Path(state_dir).expanduser().resolve())
-    if policy:
-        body["policy"] = policy
-    settings = {"data_site": None, "state_dir": None, **body, "policy": check_policy(policy, str(target), site)}
+    earlier = _earlier_settings(target, site)
+    given = {"data": str(Path(data).expanduser().resolve()), "data_site": data_site, "device": device,
+             "state_dir": str(Path(state_dir).expanduser().resolve()) if state_dir else None, "threads": threads}
+    body = {k: v for k, v in earlier.items() if k != "policy"}
+    body.update({k: v for k, v in given.items() if v is not None})
+    body.setdefault("device", "auto")
+    merged_policy = {**(earlier.get("policy") or {}), **(policy or {})}
+    if merged_policy:
+        body["policy"] = merged_policy
+    kept = [f"{k}={earlier[k]}" for k in ("data_site", "device", "state_dir", "threads")
+            if k in earlier and given[k] is None]
+    kept += [f"policy.{k}" for k in (earlier.get("policy") or {}) if k not in (policy or {})]
+    settings = {"data_site": None, "state_dir": None, "threads": 0, **body,
+                "policy": check_policy(merged_policy or None, str(target), site)}
     problems = check_site(site, settings)
     if problems:
-        return target, problems
+        return target, problems, kept
     target.parent.mkdir(parents=True, exist_ok=True)
-    if state_dir:
+    if body.get("state_dir"):
         private_dir(body["state_dir"])
     write_text(target, json.dumps(body, indent=1) + "\n")
-    return target, []
+    return target, [], kept
+
+
+def _earlier_settings(target: Path, site: str) -> dict:
+    """The settings file ``target`` as it is (``{}`` when there is none)."""
+    if not target.is_file():
+        return {}
+    try:
+        earlier = json.loads(target.read_text())
+    except (OSError, ValueError) as exc:
+        raise DataError(f"site {site}: {target} is not valid JSON ({exc}); move it away, then run `pflseg site init` "
+                        "again") from exc
+    unknown = set(earlier) - set(KEYS) if isinstance(earlier, dict) else set()
+    if not isinstance(earlier, dict) or unknown:
+        raise DataError(f"site {site}: {target} is not a settings file of {', '.join(KEYS)}"
+                        + (f" (unknown key(s) {sorted(unknown)})" if unknown else "")
+                        + "; move it away, then run `pflseg site init` again")
+    return earlier
 
 
 def site_report(site_dir: str | Path, site: str) -> tuple[list[str], list[str]]:

@@ -43,6 +43,13 @@ def test_no_data_configured_makes_synthetic_data_in_the_workspace(tmp_path, monk
 
 
 # ---- pflseg site init / site check -----------------------------------------------------------------------
+def site_kit(path: Path) -> Path:
+    """A folder that is a site's startup kit as far as `pflseg site` looks (startup/fed_client.json)."""
+    (path / "startup").mkdir(parents=True)
+    (path / "startup" / "fed_client.json").write_text("{}")
+    return path
+
+
 @pytest.mark.parametrize("args, problem", [
     (["--data", "{tmp}/nowhere"], r"data location .*nowhere does not exist"),
     (["--data", "{tmp}/root", "--data-site", "site-9"], r"has no site folder 'site-9' \(it holds \['site-1', "
@@ -55,7 +62,7 @@ def test_site_init_refuses_what_would_fail_and_writes_nothing(args, problem, tmp
     from pflseg.cli import main
 
     make_synthetic(tmp_path / "root", n_sites=2, cases=3, size=16, depth=2)
-    kit = tmp_path / "site-1"
+    kit = site_kit(tmp_path / "site-1")
     assert main(["site", "init", "--site-dir", str(kit), *[a.format(tmp=tmp_path) for a in args]]) == 2
     assert re.search(problem, capsys.readouterr().err) and not (kit / "local" / "pflseg_site.json").exists()
 
@@ -66,7 +73,7 @@ def test_site_init_writes_private_settings_and_site_check_reports_them(tmp_path,
     for var in ("PFLSEG_DATA", "PFLSEG_DEVICE", "PFLSEG_SITE_CONFIG", "PFLSEG_STATE_DIR", "PFLSEG_THREADS"):
         monkeypatch.delenv(var, raising=False)
     root = make_synthetic(tmp_path / "root", n_sites=2, cases=3, size=16, depth=2)
-    kit, state = tmp_path / "site-2", tmp_path / "outside" / "state"
+    kit, state = site_kit(tmp_path / "site-2"), tmp_path / "outside" / "state"
     assert main(["site", "init", "--site-dir", str(kit), "--data", str(root), "--device", "cpu", "--state-dir",
                  str(state), "--no-publish", "--methods", "fedavg,fedbn"]) == 0
     written = kit / "local" / "pflseg_site.json"
