@@ -27,6 +27,7 @@ from pflseg.data.errors import (
 )
 from pflseg.data.files import is_nifti, mask_plane, n_channels, read_array, spatial_shape
 from pflseg.data.labels import label_problem
+from pflseg.train.progress import Progress
 
 SPACING_RTOL = 1e-3
 #: problems ``pflseg data check`` reports but a site's ``require_valid`` lets pass: an empty validation or test
@@ -35,13 +36,15 @@ SPACING_RTOL = 1e-3
 NOT_REFUSED = ("empty_split",)
 
 
-def check_dataset(root: str | Path, sites: list[str] | None = None) -> list[Problem]:
+def check_dataset(root: str | Path, sites: list[str] | None = None, say=None) -> list[Problem]:
     """Finds every problem in a data root.
 
     Args:
         root: Data root (dataset.json + one folder per site).
         sites: Check only these sites (a site checks its own data: another site's bad file is not its
             problem); None: every site of dataset.json.
+        say: Where progress lines go every 10 s while the files are read (``pflseg.train.progress``; default the
+            ``pflseg.progress`` logger).
 
     Returns:
         The problems found, in site order; empty when the dataset is usable.
@@ -51,10 +54,22 @@ def check_dataset(root: str | Path, sites: list[str] | None = None) -> list[Prob
     if info is None:
         return problems
     n_classes = len(info["classes"])
-    for site in info["sites"]:
-        if sites is None or site in sites:
-            problems += _check_site(root, site, n_classes, info["in_channels"])
+    chosen = [site for site in info["sites"] if sites is None or site in sites]
+    progress = Progress(f"checking {root}", total=sum(_n_entries(root, site) for site in chosen), unit="images",
+                        say=say)
+    for site in chosen:
+        problems += _check_site(root, site, n_classes, info["in_channels"], progress)
+    progress.done()
     return problems
+
+
+def _n_entries(root: Path, site: str) -> int:
+    """Datalist entries of a site (0 when its datalist cannot be read: ``_check_site`` says why)."""
+    try:
+        datalist = read_datalist(root, site)
+    except DataError:
+        return 0
+    return sum(len(datalist.get(split) or []) for split in SPLITS)
 
 
 def require_valid(root: str | Path, sites: list[str] | None = None) -> dict:
@@ -72,7 +87,7 @@ def require_valid(root: str | Path, sites: list[str] | None = None) -> dict:
     return read_dataset_info(root)[0]
 
 
-def _check_site(root: Path, site: str, n_classes: int, in_channels: int) -> list[Problem]:
+def _check_site(root: Path, site: str, n_classes: int, in_channels: int, progress: Progress) -> list[Problem]:
     """Problems of one site: folder, datalist, entries and files."""
     site_dir = root / site
     if not site_dir.is_dir():
@@ -104,6 +119,7 @@ def _check_site(root: Path, site: str, n_classes: int, in_channels: int) -> list
     for split in SPLITS:
         for k, entry in enumerate(datalist.get(split, [])):
             problems += _check_entry(site, site_dir, split, k, entry, n_classes, in_channels)
+            progress.step()
             case = str(entry.get("case", "")) if isinstance(entry, dict) else ""
             if case and case_split.setdefault(case, split) != split:
                 problems.append(Problem(site, str(site_dir / DATALIST_JSON),

@@ -127,6 +127,7 @@ from pathlib import Path
 import numpy as np
 
 from pflseg.data.datalist import claim_out, split_cases, write_datalist, write_dataset_json
+from pflseg.train.progress import Progress
 
 TASKS = ("prostate", "fundus")
 FOV_MM = 160.0
@@ -406,6 +407,7 @@ def make_synthetic(
     preset: str | dict | None = None,
     outside: tuple[str, ...] | list[str] | None = None,
     near_copy_of: str | None = None,
+    say=None,
 ) -> Path:
     """Writes a synthetic multi-site data root.
 
@@ -428,6 +430,8 @@ def make_synthetic(
         preset: A name in :data:`PRESETS` ("bench", "demo") or a dict of the same form.
         outside: With a preset: the outside sites' kinds, e.g. ("near_copy", "blend", "extrapolate").
         near_copy_of: With a preset: the inside site a near_copy outside site copies.
+        say: Where progress lines go every 10 s while cases are rendered (``pflseg.train.progress``; default the
+            ``pflseg.progress`` logger: FLARE's log at a site).
 
     Returns:
         The data root ``out``. With a preset, dataset.json also records ``train_size`` (= size) and
@@ -457,6 +461,7 @@ def make_synthetic(
     inside = [p for p in profiles if p["kind"] == "inside"]
     import nibabel as nib
 
+    progress = Progress(f"synthetic {task} data in {out}", total=sum(counts), unit="cases", say=say)
     for profile, n_cases in zip(profiles, counts):
         site = profile["site"]
         site_dir = out / site
@@ -470,6 +475,7 @@ def make_synthetic(
             image, label = render_case(profile, seed, c, size, depth, task, inside)
             nib.save(nib.Nifti1Image(image, affine), str(site_dir / "imagesTr" / f"{name}.nii.gz"))
             nib.save(nib.Nifti1Image(label, affine), str(site_dir / "labelsTr" / f"{name}.nii.gz"))
+            progress.step()
         if preset is None:
             split = split_cases(names, seed, site, 0.2, 0.2)
         else:
@@ -494,6 +500,7 @@ def make_synthetic(
         layout="synthetic",
         **extra,
     )
+    progress.done()
     return out
 
 

@@ -34,6 +34,7 @@ from pflseg.data.datalist import DATALIST_JSON
 from pflseg.flare.allowlist import add_to_resources
 from pflseg.flare.methods import own_config
 from pflseg.flare.state import RoundStore, write_text
+from pflseg.train.progress import PREFIX, duration
 
 try:
     import fcntl
@@ -192,11 +193,16 @@ def _run_locked(job_dir: Path, workspace: Path, n_sites, threads, data, progress
                 proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         start_new_session=True)
                 peak = _PeakMemory(proc.pid)
-                reader = threading.Thread(target=_relay, args=(proc.stdout, log_file, name, progress), daemon=True)
+                seen = Heard(name, _planned_rounds(job_dir), n_sites, log_path)
+                reader = threading.Thread(target=_relay, args=(proc.stdout, log_file, name, progress, seen),
+                                          daemon=True)
                 reader.start()
                 while proc.poll() is None:
                     if _STOP:  # run_side_by_side was told to stop
                         raise _Signal(_STOP[0])
+                    line = seen.heartbeat()  # a word every SILENCE_S of silence: what is running, since when
+                    if line:
+                        progress(line)
                     # FLARE 2.9's simulator idles ~6 s after the server runner has finished (fixed shutdown waits);
                     # the run is complete by then (results, checkpoints, TensorBoard events written), so end it.
                     if results_path.is_file() and _server_runner_finished(server_log):
@@ -257,14 +263,90 @@ def result_warnings(results: dict) -> list[str]:
     return []
 
 
-def _relay(stream, log_file, name: str, progress) -> None:
+#: seconds without a line on the terminal after which ``pflseg run`` says what is running (``Heard.heartbeat``)
+SILENCE_S = 15.0
+
+
+class Heard:
+    """What the terminal has been told of a running simulator, and what to say after ``SILENCE_S`` of silence.
+
+    Round lines ("round k done in W s") get an ETA for the rounds left (the mean wall of the rounds after the first,
+    which holds the sites' start-up); progress lines of the sites (``pflseg.train.progress``: data synthesis,
+    inference, routing) are relayed as they come. ``rounds`` is 0 for a post-training job (no rounds).
+    """
+
+    def __init__(self, name: str, rounds: int, n_sites: int, log_path: Path, clock=time.monotonic):
+        self.name, self.rounds, self.n_sites, self.log_path, self.clock = name, rounds, n_sites, log_path, clock
+        self.t0 = self.last = self.round_t0 = clock()
+        self.walls: list[float] = []
+
+    def round_done(self, msg: str) -> str:
+        """A round line with the ETA of the rounds left."""
+        try:
+            self.walls.append(float(msg.split(" done in ", 1)[1].split(" s", 1)[0]))
+        except (IndexError, ValueError):
+            return msg
+        self.round_t0 = self.clock()
+        k, left = len(self.walls), self.rounds - len(self.walls)
+        if left <= 0:
+            return f"{msg}; the final validation and test next"
+        steady = self.walls[1:] or self.walls
+        eta = sum(steady) / len(steady) * left
+        which = f"round {k + 1}" if left == 1 else f"rounds {k + 1}-{self.rounds}"
+        return f"{msg}; ETA {duration(eta)} for {which}, then the final test"
+
+    def said(self) -> None:
+        self.last = self.clock()
+
+    def heartbeat(self) -> str | None:
+        """A line when nothing was said for ``SILENCE_S``: FLARE's start-up, the round running (with its ETA), the
+        final test or a post-training job's work; None otherwise."""
+        now = self.clock()
+        if now - self.last < SILENCE_S:
+            return None
+        self.last = now
+        k = len(self.walls)
+        if self.rounds and not k:
+            what = (f"starting: FLARE's simulator and {self.n_sites} site(s); each site reads (or makes) and caches "
+                    f"its data before round 1 ({duration(now - self.t0)} so far)")
+        elif self.rounds and k < self.rounds:
+            steady = self.walls[1:] or self.walls
+            mean = sum(steady) / len(steady)
+            left = max(mean - (now - self.round_t0), 0) + mean * (self.rounds - k - 1)
+            what = f"round {k + 1}/{self.rounds} running ({duration(now - self.round_t0)}); ETA {duration(left)}"
+        elif self.rounds:
+            what = f"final validation and test running ({duration(now - self.round_t0)})"
+        else:
+            what = f"post-training job running at the sites ({duration(now - self.t0)} so far)"
+        return f"[{self.name}] {what}; full log: {self.log_path}"
+
+
+def _planned_rounds(job_dir: Path) -> int:
+    """The rounds an exported job runs: its config's ``rounds``, 0 for a post-training job (or an unknown one)."""
+    from pflseg.flare.methods import METHODS
+
+    try:
+        cfg = job_config(job_dir)
+    except (OSError, ValueError):
+        return 0
+    entry = METHODS.get(cfg.get("method"))
+    return 0 if entry is None or entry.after is not None else int(cfg.get("rounds") or 0)
+
+
+def _relay(stream, log_file, name: str, progress, seen: Heard | None = None) -> None:
     try:
         for line in stream:
             log_file.write(line)
-            if "pflseg" in line or "round " in line and "done" in line or "ERROR" in line:
+            if "pflseg" in line or "round " in line and "done" in line or "ERROR" in line or PREFIX in line:
                 msg = line.rstrip().split(" - ")[-1]
-                if ("round " in msg and " done in " in msg) or "left out" in msg or "ERROR" in line:
+                if "round " in msg and " done in " in msg:
+                    progress(f"[{name}] {seen.round_done(msg[:300]) if seen else msg[:300]}")
+                elif "left out" in msg or "ERROR" in line or msg.startswith(PREFIX):
                     progress(f"[{name}] {msg[:300]}")
+                else:
+                    continue
+                if seen is not None:
+                    seen.said()
     except (ValueError, OSError):  # the log was closed: the run was stopped and a stray process still writes
         pass
 

@@ -34,7 +34,7 @@ def synth(out: str | Path, task: str = "prostate", sites: int | None = None, see
     """``pflseg data synth``: make a synthetic multi-site data root (``pflseg.data.make_synthetic``); return its
     ``synth_summary``."""
     root = data.make_synthetic(out, task=task, n_sites=sites, seed=seed, size=size, depth=depth, preset=preset,
-                               outside=outside, near_copy_of=near_copy_of)
+                               outside=outside, near_copy_of=near_copy_of, say=print)
     return synth_summary(root, task, preset, seed)
 
 
@@ -49,5 +49,5 @@ def index(layout: str, root: str | Path, out: str | Path, seed: int = 0, classes
 def check(root: str | Path) -> tuple[str, bool]:
     """``pflseg data check``: every problem of the data root ``root`` (``pflseg.data.check_dataset``), one line each,
     then their count. Returns ``(text, True when there is none)``."""
-    problems = data.check_dataset(root)
+    problems = data.check_dataset(root, say=print)
     return "\n".join([*map(str, problems), f"{len(problems)} problem(s) in {root}"]), not problems

@@ -72,7 +72,7 @@ def site_settings(site: str, folder: str | Path | None = None) -> dict:
 
 def init_site(site_dir: str | Path, site: str, data: str | Path, data_site: str | None = None,
               device: str | None = None, state_dir: str | Path | None = None, policy: dict | None = None,
-              threads: int | None = None) -> tuple[Path, list[str], list[str]]:
+              threads: int | None = None, say=None) -> tuple[Path, list[str], list[str]]:
     """Check, then write ``<site_dir>/local/pflseg_site.json`` (mode 0600) for FLARE site ``site``
     (``pflseg site init``); a ``state_dir`` is made with mode 0700 (it may lie outside the kit). What is not given
     here (None: ``data_site``, ``device``, ``state_dir``, ``threads``, each key of ``policy``) keeps the value of
@@ -102,7 +102,7 @@ def init_site(site_dir: str | Path, site: str, data: str | Path, data_site: str 
     kept += [f"policy.{k}" for k in (earlier.get("policy") or {}) if k not in (policy or {})]
     settings = {"data_site": None, "state_dir": None, "threads": 0, **body,
                 "policy": check_policy(merged_policy or None, str(target), site)}
-    problems = check_site(site, settings)
+    problems = check_site(site, settings, say)  # say: progress lines while the site's files are read
     if problems:
         return target, problems, kept
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -129,7 +129,7 @@ def _earlier_settings(target: Path, site: str) -> dict:
     return earlier
 
 
-def site_report(site_dir: str | Path, site: str) -> tuple[list[str], list[str]]:
+def site_report(site_dir: str | Path, site: str, say=None) -> tuple[list[str], list[str]]:
     """What the site in ``site_dir`` runs with (``pflseg site check``): ``(lines, problems)``, lines naming its
     settings, where its state goes, its policy and whether its data validates."""
     settings = site_settings(site, site_dir)
@@ -142,7 +142,7 @@ def site_report(site_dir: str | Path, site: str) -> tuple[list[str], list[str]]:
              f"  data site: {settings['data_site'] or site}", f"  device: {settings['device']}",
              f"  state: {state_root}", f"  threads: {settings['threads'] or 'torch default'}",
              "policy (what this site runs and lets leave it):", *describe(settings["policy"])]
-    problems = check_site(site, settings)
+    problems = check_site(site, settings, say)
     lines.append("data: valid" if not problems else f"{len(problems)} problem(s):")
     return lines + [f"  - {p}" for p in problems], problems
 
@@ -153,7 +153,7 @@ def data_source(settings: dict) -> str:
     return "synthetic" if settings["data"] is None else "site data"
 
 
-def check_site(site: str, settings: dict) -> list[str]:
+def check_site(site: str, settings: dict, say=None) -> list[str]:
     """What is wrong with ``site``'s settings (``site_settings``), one line each with the fix; empty when its data
     location holds a valid data root with the site's folder and its device exists here."""
     problems = []
@@ -185,7 +185,7 @@ def check_site(site: str, settings: dict) -> list[str]:
     if data_site not in info["sites"]:
         return problems + [f"data root {root} has no site folder '{data_site}' (it holds {info['sites']}); pass "
                            f"--data-site with one of them"]
-    for problem in check_dataset(root):
+    for problem in check_dataset(root, [data_site], say=say):  # the site's own data (``say``: progress lines)
         if problem.site in ("", data_site):
             problems.append(f"data: {problem}")
     return problems

@@ -211,3 +211,38 @@ def test_a_run_whose_best_global_model_is_the_untrained_one_says_so():
     (line,) = result_warnings({"best_global_round": 0, "rounds": 1})
     assert "untrained initial model" in line and "rounds=1" in line and "--rounds" in line
     assert result_warnings({"best_global_round": 1, "rounds": 1}) == []  # the trained final model was best
+
+
+def test_round_lines_carry_an_eta_and_silence_says_what_is_running(tmp_path):
+    """Before: `pflseg run` printed nothing while FLARE started (20-40 s) and nothing between round lines."""
+    import io
+
+    from pflseg.deploy import simulator
+    from pflseg.deploy.simulator import Heard, _relay
+
+    class Clock:
+        now = 0.0
+
+        def __call__(self):
+            return self.now
+
+    clock, said = Clock(), []
+    seen = Heard("fedavg", rounds=3, n_sites=2, log_path=tmp_path / "simulator.log", clock=clock)
+    clock.now = simulator.SILENCE_S
+    assert seen.heartbeat().startswith("[fedavg] starting: FLARE's simulator and 2 site(s); each site reads (or makes)")
+    assert seen.heartbeat() is None  # once per silence
+    log = ("2026 - INFO - progress: synthetic prostate data in /x 30/60 cases (50 %), 10 s, ETA 10 s\n"
+           "2026 - FedAvgController - INFO - [identity=sim] - round 1 done in 20.00 s (site compute max 4 s)\n"
+           "2026 - FedAvgController - INFO - [identity=sim] - round 2 done in 2.00 s (site compute max 1 s)\n"
+           "2026 - INFO - a line nobody needs\n")
+    _relay(io.StringIO(log), io.StringIO(), "fedavg", said.append, seen)
+    assert said == ["[fedavg] progress: synthetic prostate data in /x 30/60 cases (50 %), 10 s, ETA 10 s",
+                    "[fedavg] round 1 done in 20.00 s (site compute max 4 s); ETA 40 s for rounds 2-3, then the "
+                    "final test",
+                    "[fedavg] round 2 done in 2.00 s (site compute max 1 s); ETA 2 s for round 3, then the "
+                    "final test"]
+    clock.now += simulator.SILENCE_S
+    assert seen.heartbeat().startswith("[fedavg] round 3/3 running (15 s); ETA 0 s")
+    post = Heard("iopfl_route", rounds=0, n_sites=1, log_path=tmp_path / "log", clock=clock)
+    clock.now += simulator.SILENCE_S
+    assert post.heartbeat().startswith("[iopfl_route] post-training job running at the sites (15 s so far)")
