@@ -5,6 +5,8 @@ what its tests share. Each module gets its own federation (its own xdist group),
 import json
 import time
 
+import yaml
+
 from pflseg.data import make_synthetic
 from pflseg.deploy.local import LocalFederation
 from pflseg.deploy.provision import REPO_PROJECT, provision_loopback
@@ -15,12 +17,21 @@ TINY = {"rounds": 2, "min_clients": 2, "task_timeout": 300, "data": {"size": 32}
         "net": {"channels": [4, 8, 16], "strides": [2, 2]}, "train": {"batch_size": 8, "epochs": 1}}
 
 
-def federation(tmp_path_factory, intruder: bool = False):
+def federation(tmp_path_factory, intruder: bool = False, heart_beat_timeout: int | None = None):
     """Provision, start and yield a loopback federation (with ``intruder``: also a client of another project
-    aiming at the same server, as ``federation.intruder``); stopped at the end."""
+    aiming at the same server, as ``federation.intruder``; with ``heart_beat_timeout``: the seconds without a
+    heartbeat after which its server drops a site as dead, set in its project file as a deployment would, instead of
+    the loopback kits' 60); stopped at the end."""
     ws = tmp_path_factory.mktemp("federation")
     data = make_synthetic(ws / "data", n_sites=3, cases=5, size=32, depth=6)
-    fed = LocalFederation(ws / "fed", progress=lambda m: None)
+    project = REPO_PROJECT
+    if heart_beat_timeout is not None:
+        spec = yaml.safe_load(REPO_PROJECT.read_text())
+        (builder,) = [b for b in spec["builders"] if b["path"].endswith("PflsegBuilder")]
+        builder["args"] = {**(builder.get("args") or {}), "heart_beat_timeout": heart_beat_timeout}
+        project = ws / "project.yml"
+        project.write_text(yaml.safe_dump(spec, sort_keys=False))
+    fed = LocalFederation(ws / "fed", project_yml=project, progress=lambda m: None)
     fed.provision({"data": str(data), "device": "cpu"})
     fed.start()
     fed.intruder = None
@@ -42,6 +53,14 @@ def federation(tmp_path_factory, intruder: bool = False):
 def job(tmp_path, name, mode="package", **over):
     cfg = {**TINY, **over}
     return export_job(name, tmp_path / "jobs", overrides=cfg, mode=mode, job_name=f"{name}_{mode}")
+
+
+def flare_settings(folder, **settings):
+    """``settings`` (FLARE's configuration variables, e.g. ``dead_client_grace_period``) into the job ``folder``'s
+    server app config, where FLARE's job process reads them; returns ``folder``."""
+    path = folder / "app" / "config" / "config_fed_server.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **settings}, indent=4))
+    return folder
 
 
 def check_per_site(res, sites, status=("FINISHED:COMPLETED",)):

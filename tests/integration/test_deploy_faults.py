@@ -1,5 +1,7 @@
 """Faults of a provisioned loopback federation (its own, started once for the module; tests in file order):
-the server SIGKILLed mid-round and resumed, then a site dead for good under the default task timeout."""
+the server SIGKILLed mid-round and resumed, then a site dead for good under the default task timeout. FLARE's
+dead-client detection runs on shorter waits than a deployment's, set where a deployment sets them (the project
+file's heart_beat_timeout, the job's FLARE settings): the same path, with about 135 s less waiting."""
 
 import json
 import time
@@ -11,15 +13,20 @@ import torch
 from pflseg.config import load_job_config
 from pflseg.deploy.submit import submit
 from pflseg.flare.state import load_file, unprefixed
-from tests.integration.federation import SITES, check_per_site, federation, job, on_round
+from tests.integration.federation import SITES, check_per_site, federation, flare_settings, job, on_round
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deploy_faults"), pytest.mark.in_file_order]
 # one worker, in file order: the module's federation is shared, and each test leaves it as the next expects
 
 
+#: seconds without a heartbeat before the server drops a site (loopback kits: 60; FLARE's default 600); a live site
+#: sends one every ~5 s
+HEART_BEAT_TIMEOUT = 30
+
+
 @pytest.fixture(scope="module")
 def fed(tmp_path_factory):
-    yield from federation(tmp_path_factory)
+    yield from federation(tmp_path_factory, heart_beat_timeout=HEART_BEAT_TIMEOUT)
 
 
 def test_server_killed_mid_round_then_resumed_gives_the_uninterrupted_models(fed, tmp_path):
@@ -56,10 +63,14 @@ def test_server_killed_mid_round_then_resumed_gives_the_uninterrupted_models(fed
 
 def test_site_dead_for_good_under_the_default_timeout_job_finishes_without_it(fed, tmp_path):
     """FedBN, 2 rounds, min_clients 2, the default task_timeout (3600 s): site-3 dies in round 2 and never
-    comes back; FLARE's own dead-client detection (the loopback kits' heart_beat_timeout, 60 s; FLARE's
-    default is 600 s) ends its tasks long before the task timeout, and the job finishes with the other two."""
+    comes back; FLARE's own dead-client detection ends its tasks long before the task timeout, and the job finishes
+    with the other two. The detection's waits, each shortened here: the server drops the site after
+    heart_beat_timeout (30 s here; the loopback kits' 60, FLARE's default 600), the job then deems it
+    disconnected after dead_client_grace_period (5 s; FLARE's 60) and ends a task left waiting only on it once
+    the task is dead_client_check_lead_time old (5 s; FLARE's 30: the final validate and test tasks wait it
+    each)."""
     conf = json.loads((fed.kit(fed._server()) / "startup" / "fed_server.json").read_text())
-    assert conf["servers"][0]["heart_beat_timeout"] == 60
+    assert conf["servers"][0]["heart_beat_timeout"] == HEART_BEAT_TIMEOUT
     t = {}
 
     def die(_job_id):
@@ -68,8 +79,9 @@ def test_site_dead_for_good_under_the_default_timeout_job_finishes_without_it(fe
 
     progress = on_round(1, die)
     default = load_job_config("fedbn")["task_timeout"]
-    res = submit(job(tmp_path, "fedbn", rounds=2, task_timeout=default), fed.admin_kit(), out=tmp_path / "dl",
-                 progress=progress, poll=0.5, timeout=900)
+    folder = flare_settings(job(tmp_path, "fedbn", rounds=2, task_timeout=default), dead_client_grace_period=5,
+                            dead_client_check_lead_time=5)
+    res = submit(folder, fed.admin_kit(), out=tmp_path / "dl", progress=progress, poll=0.5, timeout=900)
     assert "killed" in t, "never saw round 1 finish"
     assert time.time() - t["killed"] < 400  # the dead-client path, not the 3600 s task timeout, ended round 2
     assert res["config"]["task_timeout"] == default == 3600
