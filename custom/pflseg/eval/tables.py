@@ -88,7 +88,8 @@ def timing_summary(results: dict) -> str:
         return head + "; FLARE's overhead per round is measured from round 2 on (run 2 or more rounds)"
     w = sum(h["wall_seconds"] for h in steady) / len(steady)
     c = sum(max(h["site_compute_seconds"].values(), default=0.0) for h in steady) / len(steady)
-    return (f"{head}; rounds 2-{len(rounds)}: {w:.2f} s each = {c:.2f} s site work (local training + validation, "
+    which = "round 2" if len(rounds) == 2 else f"rounds 2-{len(rounds)}"
+    return (f"{head}; {which}: {w:.2f} s each = {c:.2f} s site work (local training + validation, "
             f"slowest site) + {w - c:.2f} s FLARE overhead")
 
 
@@ -142,8 +143,8 @@ def infer_table(results: dict) -> str:
     table = markdown_table(["site", "global", "personalized", *map(column, routes)], rows)
     inside = results.get("inside_sites")
     legend = ["", "global: the final global model; personalized: the site's own model (inside sites only); super, "
-              "gamma=g: FedSM's super model, which takes the selector's choice of expert for an image when the "
-              "selector's confidence is at least gamma, else the global model"]
+              "gamma=g: FedSM's super model, which uses the personalized model the selector picks for an image when "
+              "the selector's confidence is above gamma, else the global model"]
     if chosen is not None:
         legend.append(f"gamma chosen on the inside sites' validation: {chosen:g}")
     if inside:

@@ -13,7 +13,7 @@ def test_infer_table_lists_every_site_and_gamma():
     assert lines[3] == "| site-3 (outside) | 0.2500 | - | 0.4500 | 0.2500 |"
     assert "gamma chosen on the inside sites' validation: 0.9" in lines
     assert "inside sites (trained): site-1; outside sites (never trained): site-3" in lines
-    assert any("the selector's confidence is at least gamma" in line for line in lines)
+    assert any("the selector's confidence is above gamma" in line for line in lines)
 
 
 def test_the_routing_variants_have_one_name_in_every_table():
