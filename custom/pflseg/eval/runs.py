@@ -3,8 +3,10 @@
     run_job("fedavg", sites=2, rounds=1, workspace="runs/fedavg")   # prints what `pflseg run fedavg` prints
 
 The workspace (default ``runs/<job>``) is locked for the whole run: a second run there fails before it touches
-anything (``pflseg.deploy.simulator.workspace_lock``). ``resume`` continues the earlier run in the workspace only
-when it is the same run (``run_overrides``).
+anything (``pflseg.deploy.simulator.workspace_lock``). An earlier run there is never overwritten without a word
+(``plan_run``): another run, or the same one without ``resume``, is kept in ``<workspace>.<timestamp>``; with
+``resume`` the same run continues at the round after its last completed one, or is read back when it is already
+complete. A bad job name, ``--set`` or data (what ``pflseg data check`` refuses) fails before the workspace is made.
 """
 
 from __future__ import annotations
