@@ -115,6 +115,7 @@ from pflseg.algorithms.routing import (
 from pflseg.train.evaluate import amp_forward, amp_model
 from pflseg.train.loop import Hooks, amp_dtype, backward_step, make_loader, seed_everything, train_epochs
 from pflseg.train.predictions import case_dice, case_names, case_sources, write_predictions
+from pflseg.train.progress import Progress
 
 #: every method :func:`route_site` scores, in table order, with its normalisation treatment (module docstring)
 NORM = {"global": "running", "global_bn": "batch", "average": "running", "average_bn": "batch",
@@ -224,12 +225,13 @@ class _Steps:
 
 
 def adapt(model: nn.Module, params: list, dataset: Dataset, device, weights: dict, cfg: dict, seed: int,
-          lr: float, steps: int, amp: str = "off", on_step=None) -> dict:
+          lr: float, steps: int, amp: str = "off", on_step=None, what: str = "test-time adaptation") -> dict:
     """Adam (``lr``) on ``params`` for ``steps`` optimizer steps of the unsupervised loss over ``dataset``, in
     batches of ``cfg["batch_size"]`` in a shuffled order seeded by ``seed``, pass after pass (the one training
     loop with a custom step). Each step predicts with the forward pass before its update. ``amp``: ``train.amp``
     (module docstring; fp16 on CUDA: a gradient scaler). ``on_step(model, step)``, when given, is called after
-    every optimizer step (1, 2, ...; validation curves, ``pflseg.eval.routing_validation``).
+    every optimizer step (1, 2, ...; validation curves, ``pflseg.eval.routing_validation``). A progress line with
+    an ETA (``pflseg.train.progress``, FLARE's log at the site) names ``what`` every 10 s of a long run.
 
     Returns:
         {"best": per-sample lowest-loss predictions ((C, H, W) bool each), "seconds", "steps", "visits":
@@ -238,6 +240,7 @@ def adapt(model: nn.Module, params: list, dataset: Dataset, device, weights: dic
     optimizer = torch.optim.Adam(params, lr=lr)
     best = BestPredictions()
     visits, done = 0, 0
+    progress = Progress(f"{what} at lr {lr:g}", total=steps, unit="steps")
     dtype = amp_dtype(amp, device)
     scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
 
@@ -249,6 +252,7 @@ def adapt(model: nn.Module, params: list, dataset: Dataset, device, weights: dic
         backward_step(loss.mean(), opt, scaler)
         visits += len(batch["case"])
         done += 1
+        progress.step()
         if on_step is not None:
             on_step(m, done)
         return float(loss.mean().detach())
@@ -257,6 +261,7 @@ def adapt(model: nn.Module, params: list, dataset: Dataset, device, weights: dic
     loader = _Steps(make_loader(dataset, cfg["batch_size"], shuffle=True, seed=seed), steps)
     t0 = time.time()
     stats = train_epochs(model, loader, optimizer, None, 1, device, Hooks(step=step))
+    progress.done()
     return {"best": best, "seconds": time.time() - t0, "steps": stats["steps"], "visits": visits}
 
 
@@ -363,7 +368,8 @@ def route_with_lr(build, dataset: Dataset, device, weights: dict, cfg: dict, see
     def run(lr, n):
         seed_everything(seed)
         model = build().to(device)
-        out = adapt(model, _trainable(model, s["norm_affine"]), dataset, device, weights, cfg, seed, lr, n, amp)
+        out = adapt(model, _trainable(model, s["norm_affine"]), dataset, device, weights, cfg, seed, lr, n, amp,
+                    what=f"routing ({s['router']}, {n} steps)")
         out["final_loss"], out["foreground"], out["agreement"] = final_loss(model, dataset, device, weights, cfg, seed,
                                                                             reference, amp)
         return model, out
