@@ -402,7 +402,7 @@ def _iopfl_cost_flags(p) -> None:
 def _routing_validation_flags(p) -> None:
     p.add_argument("--run", required=True, help="workspace of a finished `pflseg run iopfl` (its bundle)")
     p.add_argument("--data", required=True, help="data root holding the validation sites")
-    p.add_argument("--sites", nargs="+", required=True,
+    p.add_argument("--site-names", required=True, metavar="A,B,...",
                    help="validation sites: near_copy / extrapolate outside sites, or an inside site left out of --run")
     p.add_argument("--variants", nargs="+", help="loss variants (default: all of pflseg.eval.routing_validation)")
     p.add_argument("--rates", nargs="+", type=float, help="router learning rates (default 0.001 0.01 0.1)")

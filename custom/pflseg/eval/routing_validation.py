@@ -188,17 +188,19 @@ def check_sites(data: str | Path, sites: list[str], inside: list[str]) -> None:
     bad += [f"{s} is the bench's judged outside site (blend): choosing on it would choose on the judged labels"
             for s in sites if profiles.get(s, {}).get("outside_kind") == "blend"]
     if bad:
-        raise ValueError("--sites: " + "; ".join(bad) + ". Use validation sites: a near_copy or extrapolate outside "
-                         "site (pflseg data synth --outside near_copy extrapolate) or an inside site left out of the "
+        raise ValueError("--site-names: " + "; ".join(bad) + ". Use validation sites: a near_copy or extrapolate "
+                         "outside site (pflseg data synth --outside near_copy extrapolate) or an inside site left out of the "
                          "training run")
 
 
-def report(run: str | None = None, data: str | None = None, sites=None, variants=None, rates=None, steps: int = 0,
-           every: int = 0, seed: int = 0, out: str | None = None, **_) -> str:
+def report(run: str | None = None, data: str | None = None, site_names: str | None = None, variants=None, rates=None,
+           steps: int = 0, every: int = 0, seed: int = 0, out: str | None = None, **_) -> str:
     """``pflseg report routing-validation``: the table of :func:`validate_routing` for the IOP-FL training run in
     ``run`` (its workspace: ``run.json`` and the server's ``bundle.pt``), written to ``out`` (default ``run``)."""
+    sites = [x for x in (site_names or "").split(",") if x]
     if not run or not data or not sites:
-        raise ValueError("routing-validation needs --run (an IOP-FL training run's workspace), --data and --sites")
+        raise ValueError("routing-validation needs --run (an IOP-FL training run's workspace), --data and "
+                         "--site-names")
     ws = Path(run)
     record = ws / "run.json"
     bundles = sorted(ws.glob("state/server/*/bundle.pt"))

@@ -134,6 +134,7 @@ METHODS: dict[str, Method] = {
                       ("Average", "iopfl_route", "average_bn", "batch"),
                       ("Ensemble", "iopfl_route", "ensemble_bn", "batch"),
                       ("Tent (online)", "iopfl_route", "tent", "batch"),
+                      ("Tent from Average (online)", "iopfl_route", "tent_average", "batch"),
                       (ROUTING_LABELS["routing"], "iopfl_route", "routing", "batch"))),
     "fedsm_infer": Method(FedSMInferenceController, FedSMInferenceSite, ("fedsm",), after=("fedsm", "fedsm", {}),
                           demo_outside=(("FedSM super", "fedsm_infer", "super", "running"),)),

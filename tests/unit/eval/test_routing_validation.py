@@ -49,7 +49,7 @@ def test_curves_hold_step_0_every_k_steps_and_the_end_and_rho_is_a_rank_correlat
 def test_refuses_inside_and_judged_sites(run, tmp_path):
     root, ws = run
     with pytest.raises(ValueError, match="site-1 trained in the bundle"):
-        rv.report(run=str(ws), data=str(root), sites=["site-1"])
+        rv.report(run=str(ws), data=str(root), site_names="site-1")
     info = json.loads((root / "dataset.json").read_text())
     info["site_profiles"] = {"site-3": {"kind": "outside", "outside_kind": "blend"}}
     judged = tmp_path / "judged"

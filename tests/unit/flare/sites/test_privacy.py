@@ -152,7 +152,7 @@ def iopfl_route(federation):
     fed = federation("iopfl_route", iopfl={"epochs": 1})
     run = Runner(fed)
     params = models(fed, ["global"] + [f"person.{s}" for s in SITES])
-    run("route", fed.message(0, params, inside_sites=SITES, sites=SITES + ["site-3"]), "site-3")
+    run("route", fed.message(0, params, inside_sites=SITES, sites=SITES + ["site-3"], prior=[0.1]), "site-3")
     return fed, run.replies
 
 
