@@ -188,9 +188,9 @@ def check_sites(data: str | Path, sites: list[str], inside: list[str]) -> None:
     bad += [f"{s} is the bench's judged outside site (blend): choosing on it would choose on the judged labels"
             for s in sites if profiles.get(s, {}).get("outside_kind") == "blend"]
     if bad:
-        raise ValueError("--site-names: " + "; ".join(bad) + ". Use validation sites: a near_copy or extrapolate "
-                         "outside site (pflseg data synth --outside near_copy extrapolate) or an inside site left out of the "
-                         "training run")
+        raise ValueError("--site-names: " + "; ".join(bad) + ". Use validation sites: a near_copy or "
+                         "extrapolate outside site (pflseg data synth --outside near_copy extrapolate) or an inside "
+                         "site left out of the training run")
 
 
 def report(run: str | None = None, data: str | None = None, site_names: str | None = None, variants=None, rates=None,
