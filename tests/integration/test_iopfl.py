@@ -8,7 +8,7 @@ from pflseg.data import make_synthetic
 from pflseg.deploy.simulator import run_simulator
 from pflseg.flare.jobs import export_job
 from pflseg.flare.state import RoundStore, load_file
-from tests.integration.test_simulator import TINY, assert_same_states, server_state
+from tests.integration.test_simulator import TINY, assert_same_states, server_state, stop_after_round_1
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("iopfl")]  # one worker: shared module fixture
 
@@ -18,9 +18,9 @@ def data(tmp_path_factory):
     return make_synthetic(tmp_path_factory.mktemp("data") / "root", n_sites=3, cases=5, size=32, depth=6)
 
 
-def run(name, ws, data, sites=2, threads=None, **over):
+def run(name, ws, data, sites=2, threads=None, progress=lambda m: None, **over):
     job = export_job(name, ws / "jobs", overrides={**TINY, "min_clients": sites, **over})
-    return run_simulator(job, ws, n_sites=sites, threads=threads, data=data, progress=lambda m: None)
+    return run_simulator(job, ws, n_sites=sites, threads=threads, data=data, progress=progress)
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +30,15 @@ def trained(tmp_path_factory, data):
     return ws, run("iopfl", ws, data, threads=2, rounds=2)
 
 
-def test_one_thread_resumed_equals_two_threads_uninterrupted(trained, tmp_path, data):
+def test_one_thread_resumed_equals_two_threads_uninterrupted(trained, tmp_path, data, monkeypatch):
+    """-t 1 until a stop after round 1 (no final tasks run: with one thread each is a process per site), then
+    resumed with -t 2: the same models, P_k and bundle as the uninterrupted -t 2 run."""
     ws, straight = trained
     assert sorted(straight["test"]) == ["site-1", "site-2"] and not straight["missing"]
     for h in straight["history"]:
         assert set(h["val_dice"]) == {"site-1", "site-2"}
-    run("iopfl", tmp_path, data, threads=1, rounds=1)
+    stop_after_round_1(lambda progress: run("iopfl", tmp_path, data, threads=1, rounds=2, progress=progress),
+                       monkeypatch)
     resumed = run("iopfl", tmp_path, data, threads=2, rounds=2, resume=True)  # -t 1 before the stop, -t 2 after
     assert [h["round"] for h in resumed["history"]] == [1, 2]
     assert resumed["test"] == straight["test"]

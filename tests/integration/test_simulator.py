@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,8 @@ import torch
 
 from pflseg.config import job_names
 from pflseg.data import make_synthetic
-from pflseg.deploy.simulator import run_simulator
+from pflseg.deploy import simulator
+from pflseg.deploy.simulator import Interrupted, run_simulator
 from pflseg.flare.jobs import export_job
 from pflseg.flare.state import RoundStore
 
@@ -26,13 +28,32 @@ def data(tmp_path_factory):
     return make_synthetic(tmp_path_factory.mktemp("data") / "root", n_sites=4, cases=5, size=32, depth=6)
 
 
-def run(name, ws, data, sites=2, threads=None, **over):
+def run(name, ws, data, sites=2, threads=None, progress=lambda m: None, **over):
     if name.startswith("fedsm_extra"):
         over.setdefault("fedsm", {"extra_rounds": 1})
     if "fundus" in name:  # two-class jobs on their own synthetic data, made at the sites (embedded default)
         data = None
     job = export_job(name, ws / "jobs", overrides={**TINY, **over})
-    return run_simulator(job, ws, n_sites=sites, threads=threads, data=data, progress=lambda m: None)
+    return run_simulator(job, ws, n_sites=sites, threads=threads, data=data, progress=progress)
+
+
+def stop_after_round_1(run_job, monkeypatch) -> None:
+    """``run_job(progress)`` (a simulator run) stopped the moment its server logs round 1 done, as a Ctrl-C stops
+    ``pflseg run``: the simulator is stopped whole (``run_side_by_side``'s stop, the path a signal takes), no later
+    task runs, and the run says it completed 1 round; its state is what ``--resume`` continues from."""
+    stop: list[int] = []
+    monkeypatch.setattr(simulator, "_STOP", stop)
+
+    def progress(msg):
+        if " round 1 done in " in msg and not stop:
+            stop.append(signal.SIGINT)
+
+    try:
+        with pytest.raises(Interrupted) as stopped:
+            run_job(progress)
+    finally:
+        stop.clear()
+    assert stopped.value.rounds_done == 1
 
 
 def server_state(ws, name):
@@ -132,10 +153,11 @@ def test_job_completes_with_per_site_test_dice(name, tmp_path, data):
 
 
 @pytest.mark.parametrize("name", ["fedsm", "grace", "lcfed"])
-def test_threads_and_resume_do_not_change_the_models(name, tmp_path, data):
-    """An uninterrupted run with -t 2 against one with -t 1 stopped after round 0 and resumed with -t 2: equal
+def test_threads_and_resume_do_not_change_the_models(name, tmp_path, data, monkeypatch):
+    """An uninterrupted run with -t 2 against one with -t 1 stopped after round 1 and resumed with -t 2: equal
     final models (server checkpoint and every site's state) prove thread-count invariance and exact resume at
-    once. (-t 1 only before the stop: with one thread FLARE starts a process per site per task, ~9 s each.
+    once. (-t 1 only before the stop: with one thread FLARE starts a process per site per task, ~9 s each; the stop
+    as soon as round 1 is done spares the -t 1 run the final tasks a finished run would have.
     Resume after a server SIGKILL in a provisioned federation: test_deploy.py; a FedBN site's kept norm layers
     across missed rounds: sites/test_faults.py.)
     GRACE runs with adversarial alignment, whose discriminator is site state carried across the resume
@@ -150,7 +172,8 @@ def test_threads_and_resume_do_not_change_the_models(name, tmp_path, data):
         tb = tmp_path / "straight" / "sim" / "server" / "simulate_job" / "tb_events"
         (server,) = {p.name for p in tb.iterdir()} - set(straight["sites"])
         assert list((tb / server).rglob("events.*"))
-    run(name, tmp_path / "resumed", data, sites=2, threads=1, rounds=1, **over)
+    stop_after_round_1(lambda progress: run(name, tmp_path / "resumed", data, sites=2, threads=1, rounds=2,
+                                            progress=progress, **over), monkeypatch)
     resumed = run(name, tmp_path / "resumed", data, sites=2, threads=2, rounds=2, resume=True, **over)
     assert [h["round"] for h in resumed["history"]] == [1, 2]
     assert resumed["test"] == straight["test"]
