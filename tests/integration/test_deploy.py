@@ -129,19 +129,20 @@ def test_straggler_beyond_the_timeout_is_left_out_then_back(fed, tmp_path):
 
 
 def test_site_restarted_mid_job_is_left_out_of_that_job_only(fed, tmp_path):
-    """FedBN, 3 rounds: site-3 is killed and started again when round 1 begins. FLARE does not deploy a running job
-    to a site that restarts, so site-3 stays out of the rest of this job (each round it misses waits task_timeout,
-    60 s, for it; it may have answered round 1 before the kill landed: the Executor site answers without a poll);
-    it connects again at once, ready for the next job."""
+    """FedBN, 2 rounds: site-3 is killed and started again when round 1 is done. FLARE does not deploy a running job
+    to a site that restarts, so site-3 stays out of the rest of this job: round 2 and the final validate and test
+    tasks (each task it misses waits task_timeout, 60 s, for it; it may have answered round 2 before the kill
+    landed: the Executor site answers without a poll); it connects again at once, ready for the next job."""
 
     def restart(_job_id):
         fed.kill("site-3")
         fed.start_participant("site-3")
 
-    res = submit(job(tmp_path, "fedbn", rounds=3, task_timeout=60), fed.admin_kit(), out=tmp_path / "dl",
+    res = submit(job(tmp_path, "fedbn", rounds=2, task_timeout=60), fed.admin_kit(), out=tmp_path / "dl",
                  progress=on_round(1, restart), poll=0.5)
-    assert rounds_of(res, "site-3") in ([1], [1, 2]) and rounds_of(res, "site-1") == [1, 2, 3]
-    check_per_site(res, ["site-1", "site-2"], status=("FINISHED:COMPLETED", "FINISHED:ABNORMAL"))
+    assert rounds_of(res, "site-3") in ([1], [1, 2]) and rounds_of(res, "site-1") == [1, 2]
+    check_per_site(res, ["site-1", "site-2"], status=("FINISHED:COMPLETED", "FINISHED:ABNORMAL"))  # not tested
+    assert "site-3" in res["missing"]
     assert fed.wait_connected(timeout=120) == SITES  # back for the next job (the shutdown below needs it too)
 
 
