@@ -101,25 +101,39 @@ def _stats(values: list[float]) -> dict:
             "n": len(values)}
 
 
+def _interval(diffs: list[float]) -> tuple[float, float, float]:
+    mean, half = statistics.mean(diffs), t.ppf(0.975, len(diffs) - 1) * statistics.stdev(diffs) / len(diffs) ** 0.5
+    return mean, mean - half, mean + half
+
+
 def paired_difference(values: dict[str, list[float]], reference: dict[str, list[float]]) -> dict | None:
-    """Mean paired difference ``values - reference`` over every (site, seed) both have, with its 95 % t-interval.
+    """Mean paired difference ``values - reference`` over every (site, seed) both have, with its 95 % t-interval,
+    and, with 2 seeds or more, the interval that respects the nesting.
 
     Args:
         values, reference: site -> one Dice per seed, in seed order (a site lacking some seed is left out whole).
 
     Returns:
-        {"mean", "lo", "hi", "n" (pairs), "verdict": "better" | "worse" | "tie"} (a verdict other than "tie" only
-        when the interval excludes 0), or None with fewer than 2 pairs. The pairs are seeds x sites, treated as
-        independent: the interval is a guide, not a test corrected for site effects.
+        {"mean", "lo", "hi", "n" (pairs), "verdict": "better" | "worse" | "tie"}, or None with fewer than 2 pairs.
+        The pairs are seeds x sites; the sites of one seed share one trained model, so they are not independent.
+        With >= 2 seeds ``"seeds": {"mean", "lo", "hi", "n"}`` is the t-interval over the seeds of each seed's
+        mean difference over the sites (n = seeds), and the verdict follows it; with one seed the verdict follows
+        the pairs' interval (a guide only). A verdict other than "tie" only when its interval excludes 0.
     """
-    diffs = [v - r for site, vs in values.items() if site in reference and len(vs) == len(reference[site])
-             for v, r in zip(vs, reference[site])]
+    pairs = {site: [v - r for v, r in zip(vs, reference[site])] for site, vs in values.items()
+             if site in reference and len(vs) == len(reference[site])}
+    diffs = [d for ds in pairs.values() for d in ds]
     if len(diffs) < 2:
         return None
-    mean, half = statistics.mean(diffs), t.ppf(0.975, len(diffs) - 1) * statistics.stdev(diffs) / len(diffs) ** 0.5
-    lo, hi = mean - half, mean + half
-    return {"mean": mean, "lo": lo, "hi": hi, "n": len(diffs),
-            "verdict": "better" if lo > 0 else "worse" if hi < 0 else "tie"}
+    mean, lo, hi = _interval(diffs)
+    out = {"mean": mean, "lo": lo, "hi": hi, "n": len(diffs)}
+    per_seed = [statistics.mean(seed) for seed in zip(*pairs.values())]
+    if len(per_seed) >= 2:
+        m, slo, shi = _interval(per_seed)
+        out["seeds"] = {"mean": m, "lo": slo, "hi": shi, "n": len(per_seed)}
+        lo, hi = slo, shi
+    out["verdict"] = "better" if lo > 0 else "worse" if hi < 0 else "tie"
+    return out
 
 
 def _seed_means(col: dict[str, list[float]]) -> dict | None:

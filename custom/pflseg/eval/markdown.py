@@ -10,8 +10,11 @@ def markdown_table(head: list, rows: list[list]) -> str:
 
 
 def diff_cell(d: dict | None) -> str:
-    """A paired difference as ``+0.012 [-0.004, +0.028]``, marked **+** / **−** when its interval excludes 0."""
+    """A paired difference as ``+0.012 [-0.004, +0.028]`` (with 2+ seeds ``; over 3 seeds [-0.02, +0.04]``, the
+    interval that respects the nesting), marked **+** / **−** when the verdict's interval excludes 0."""
     if not d:
         return "-"
     mark = {"better": " **+**", "worse": " **−**", "tie": ""}[d["verdict"]]
-    return f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]{mark}"
+    seeds = d.get("seeds")
+    nested = f"; over {seeds['n']} seeds [{seeds['lo']:+.3f}, {seeds['hi']:+.3f}]" if seeds else ""
+    return f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]{nested}{mark}"

@@ -143,3 +143,16 @@ def test_one_seed_writes_no_spread_in_the_csv():
 
     assert _csv_std({"mean": 0.5, "std": 0.0, "n": 1}) == ""
     assert _csv_std({"mean": 0.5, "std": 0.1, "n": 3}) == "0.1000"
+
+
+def test_the_verdict_follows_the_interval_over_seeds_not_the_seed_x_site_pairs():
+    """5 sites share their seed's model: the differences move together within a seed (+0.10, -0.02, +0.04). As 15
+    independent pairs the interval excludes 0; over 3 seed means (t quantile 4.30) it does not."""
+    offsets = [0.10, -0.02, 0.04]
+    values = {f"s{i}": [0.5 + o + 0.001 * i for o in offsets] for i in range(5)}
+    reference = {f"s{i}": [0.5, 0.5, 0.5] for i in range(5)}
+    d = paired_difference(values, reference)
+    assert d["lo"] > 0 and d["n"] == 15  # the pairs' interval alone would say "better"
+    assert d["seeds"]["n"] == 3 and d["seeds"]["lo"] < 0 < d["seeds"]["hi"] and d["verdict"] == "tie"
+    one_seed = paired_difference({k: v[:1] for k, v in values.items()}, {k: v[:1] for k, v in reference.items()})
+    assert "seeds" not in one_seed and one_seed["verdict"] == "better"
