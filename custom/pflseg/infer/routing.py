@@ -36,8 +36,8 @@ Settings (:func:`settings`). ``iopfl.router`` names the variant; ``loss_weights`
 the paper's (routers only, the paper's loss, no rot/flip, non-routed parameters averaged, Adam at ``iopfl.lr``,
 1e-3, no collapse guard); ``refcode`` the reference code's profile (its 2-layer router, norm affine parameters
 trained, its loss weights, rot90/flip consistency, non-routed parameters from w_g, ``iopfl.lr``, no guard);
-``normalised`` (ours, the default) the paper's loss, the rate chosen from ``GRID`` under the collapse guard
-``GUARD``. A value set explicitly wins. The step budget of every multi-pass method is ``iopfl.steps`` optimizer
+``normalised`` (ours, the default) as the paper's (``iopfl.lr``, no guard; chosen on validation sites, see
+``VARIANTS``). A value set explicitly wins. The step budget of every multi-pass method is ``iopfl.steps`` optimizer
 steps, or ``iopfl.epochs`` shuffled passes of ceil(n / ``iopfl.batch_size``) steps when ``steps`` is 0
 (:func:`budget`).
 
@@ -170,12 +170,12 @@ class StaticComparators(nn.Module):
 
 
 #: what a router variant does where the config leaves a key null (module docstring); an empty lr_grid = iopfl.lr,
-#: an lr_guard of 0 = no collapse guard
-GRID = [1e-3, 1e-2, 1e-1]
-GUARD = 0.1
+#: an lr_guard of 0 = no collapse guard. Every variant now adapts at ``iopfl.lr`` without a guard: on validation
+#: outside sites the grid's lowest final loss picked 1e-1, which scored below 1e-3 (``pflseg report
+#: routing-validation``; docs/benchmark.md), and with the size prior in the loss the foreground no longer collapses
 _PAPER = {"loss_weights": "paper", "norm_affine": False, "rot_flip": False, "rest": "average", "lr_grid": [],
           "lr_guard": 0.0}
-VARIANTS = {"paper": _PAPER, "normalised": {**_PAPER, "lr_grid": GRID, "lr_guard": GUARD},
+VARIANTS = {"paper": _PAPER, "normalised": dict(_PAPER),
             "refcode": {"loss_weights": "refcode", "norm_affine": True, "rot_flip": True, "rest": "global",
                         "lr_grid": [], "lr_guard": 0.0}}
 
