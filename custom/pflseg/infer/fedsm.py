@@ -50,6 +50,7 @@ from pflseg.algorithms.fedsm import GLOBAL, min_mahalanobis, route, route_extra,
 from pflseg.train.evaluate import amp_forward
 from pflseg.train.loop import amp_dtype, make_loader
 from pflseg.train.predictions import case_dice, case_names, case_sources, write_predictions
+from pflseg.train.progress import Progress
 
 #: Key of the FedSM-extra route in the result's ``"super"`` dict.
 EXTRA = "extra"
@@ -162,10 +163,12 @@ def evaluate_super_model(
 
     # Per sample: (site, case), slice, has_label, {model key: pred (C, H, W) bool}, label, route -> choice.
     samples: list[dict] = []
+    progress = Progress("FedSM super model: selector and models", total=len(dataset), unit="images")
     with torch.no_grad():
         for batch in make_loader(dataset, batch_size, shuffle=False):
             images = batch["image"].to(device)
             n = images.shape[0]
+            progress.step(n)
             has_label = _as_bools(batch.get("has_label"), n)
             intensity = batch.get("intensity")
             seen = selector_view(images, intensity.to(device) if intensity is not None else None, selector_input)
@@ -201,6 +204,7 @@ def evaluate_super_model(
                     "choice": {r: int(c[i]) for r, c in choices.items()},
                     "d2": d2[i],
                 })
+    progress.done()
 
     by_case: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for s in samples:
