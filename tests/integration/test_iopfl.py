@@ -64,8 +64,10 @@ def test_routing_at_an_outside_site_writes_predictions_and_metrics(trained, tmp_
     assert res["inside_sites"] == ["site-1", "site-2"] and res["targets"] == ["site-3"]
     out = res["route"]["site-3"]
     assert sorted(out["methods"]) == sorted(["global", "global_bn", "average", "average_bn", "ensemble", "ensemble_bn",
-                                             "tent",
-                                             "tent_epochs", "routing_global", "routing_layer", "routing"])
+                                             "tent", "tent_epochs", "tent_average", "routing_global", "routing_layer",
+                                             "routing", "routing_final"])
+    prior = res["prior"]  # the size prior: the inside sites' training-label foreground fractions, from the bundle
+    assert len(prior) == 1 and 0 < prior[0] < 1 and out["diagnostics"]["settings"]["size_prior"] > 0
     for m in out["methods"].values():
         assert 0.0 <= m["dice"] <= 1.0 and "per_case" not in m  # aggregate metrics only (privacy.per_case: false)
     assert out["predictions"] == "written at the site: iopfl_route/predictions"

@@ -106,7 +106,7 @@ def test_route_site_under_bf16_scores_every_method_close_to_float32(nets, data):
                                      amp=amp)
         assert dtypes == {AMP_DTYPES[amp] or torch.float32}
     off, bf16 = scored["off"], scored["bf16"]
-    assert off["methods"].keys() == bf16["methods"].keys() == {"global_bn", "tent", "routing"}
+    assert off["methods"].keys() == bf16["methods"].keys() == {"global_bn", "tent", "routing", "routing_final"}
     for name, entry in off["methods"].items():
         assert entry["dice"] > 0.2 and abs(bf16["methods"][name]["dice"] - entry["dice"]) < 0.01, name
     coef16, coef32 = bf16["coefficients"]["routing"]["mean"], off["coefficients"]["routing"]["mean"]
