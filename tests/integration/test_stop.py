@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from pflseg.deploy.simulator import workspace_lock
+from pflseg.deploy.workspace import workspace_lock
 from pflseg.flare.state import RoundStore
 
 pytestmark = pytest.mark.slow

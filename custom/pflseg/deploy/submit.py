@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from pflseg.deploy.simulator import Interrupted, panic_reason
+from pflseg.markdown import markdown_table
 
 TERMINAL_OK = "FINISHED:COMPLETED"
 
@@ -146,9 +147,9 @@ def metrics_table(results: dict) -> str:
     history = results.get("history") if isinstance(results.get("history"), list) else []
     last_val = _part(history[-1] if history else {}, "val_dice", "history[-1]", bad)
     test = _part(results, "test", "results", bad)
-    lines = [f"job {results.get('job_id', '')} {results.get('job', '?')} ({results.get('method', '?')}, "
-             f"{results.get('rounds', '?')} rounds) {results.get('status', '')}".rstrip(),
-             "| site | data | test Dice (global) | test Dice (site's own) | last val Dice |", "|---|---|---|---|---|"]
+    title = (f"job {results.get('job_id', '')} {results.get('job', '?')} ({results.get('method', '?')}, "
+             f"{results.get('rounds', '?')} rounds) {results.get('status', '')}".rstrip())
+    rows = []
     sites = results.get("sites")
     if not isinstance(sites, list):
         bad.append(f"results: 'sites' is {sites!r}, not a list of site names; the sites' test results are listed")
@@ -165,7 +166,9 @@ def metrics_table(results: dict) -> str:
             data = "?"
         cells = [_dice(own, ("global", "dice"), site, "test", bad), _dice(own, ("site", "dice"), site, "test", bad),
                  _dice(last_val, (site,), site, "history[-1].val_dice", bad)]
-        lines.append(f"| {site} | {data} | " + " | ".join(cells) + " |")
+        rows.append([site, data, *cells])
+    lines = [title, markdown_table(["site", "data", "test Dice (global)", "test Dice (site's own)", "last val Dice"],
+                                   rows)]
     missing = _part(results, "missing", "results", bad)
     for site, why in sorted(missing.items(), key=lambda kv: str(kv[0])):
         lines.append(f"left out: {site}: {why}")

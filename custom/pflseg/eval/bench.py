@@ -38,16 +38,8 @@ from torch.utils.data import ConcatDataset
 from pflseg.config import load_job_config
 from pflseg.data import DataError, load_dataset_info, make_synthetic, site_dataset
 from pflseg.deploy.data_sites import flare_names, site_view
-from pflseg.deploy.simulator import (
-    judge,
-    move_aside,
-    read_record,
-    run_record,
-    run_simulator,
-    server_state,
-    workspace_lock,
-)
-from pflseg.eval.markdown import diff_cell, markdown_table
+from pflseg.deploy.simulator import run_simulator
+from pflseg.deploy.workspace import judge, move_aside, read_record, run_record, server_state, workspace_lock
 from pflseg.eval.plots import reported_val_dice
 from pflseg.eval.progress import RunProgress
 from pflseg.flare.jobs import export_job
@@ -55,6 +47,7 @@ from pflseg.flare.methods import METHODS
 from pflseg.flare.privacy import SALT_FILE
 from pflseg.flare.state import RoundStore, unprefixed
 from pflseg.infer.routing import LABELS as ROUTING_LABELS
+from pflseg.markdown import diff_cell, markdown_table
 from pflseg.nets import build_net
 from pflseg.train import evaluate
 

@@ -31,11 +31,12 @@ import statistics
 import time
 from pathlib import Path
 
-from pflseg.deploy.simulator import run_side_by_side, workspace_lock
+from pflseg.deploy.simulator import run_side_by_side
+from pflseg.deploy.workspace import workspace_lock
 from pflseg.eval.bench import PRIMARY, Bench, paired_difference
-from pflseg.eval.markdown import diff_cell, markdown_table
 from pflseg.eval.plots import PLOTS_HINT, have_matplotlib, overlay_paths, plot_lines, write_results
 from pflseg.flare.methods import METHODS
+from pflseg.markdown import diff_cell, markdown_table
 
 PRESET = "demo"
 #: inside rows: (label, job, key of the site's test metrics, backbone), every method's ``Method.demo_inside`` in the

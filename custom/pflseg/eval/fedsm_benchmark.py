@@ -19,11 +19,12 @@ import torch
 
 from pflseg.config import load_job_config
 from pflseg.data import make_synthetic
-from pflseg.deploy.simulator import run_simulator, server_state
-from pflseg.eval.markdown import markdown_table
+from pflseg.deploy.simulator import run_simulator
+from pflseg.deploy.workspace import server_state
 from pflseg.eval.progress import RunProgress
 from pflseg.flare.controllers.fedsm import moment_reference
 from pflseg.flare.jobs import export_job
+from pflseg.markdown import markdown_table
 from pflseg.nets import build_net
 from pflseg.nets.selector import build_selector, selector_cfg
 

@@ -18,7 +18,7 @@ import torch
 from pflseg.algorithms.fedavg import weighted_average
 from pflseg.algorithms.grace import grace_keys, grace_step, similarity, update_vectors
 from pflseg.config import load_job_config
-from pflseg.eval.markdown import markdown_table
+from pflseg.markdown import markdown_table
 
 NET = {"channels": [36, 72, 144, 288, 576], "strides": [2, 2, 2, 2], "num_res_units": 2}
 

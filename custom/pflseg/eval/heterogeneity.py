@@ -22,11 +22,12 @@ import torch
 
 from pflseg.config import load_job_config
 from pflseg.data import load_dataset_info, make_synthetic, site_dataset
-from pflseg.deploy.simulator import run_simulator, server_state
-from pflseg.eval.markdown import markdown_table
+from pflseg.deploy.simulator import run_simulator
+from pflseg.deploy.workspace import server_state
 from pflseg.eval.progress import RunProgress
 from pflseg.flare.jobs import export_job
 from pflseg.flare.state import RoundStore, load_file, unprefixed
+from pflseg.markdown import markdown_table
 from pflseg.nets import build_net
 from pflseg.train import evaluate
 

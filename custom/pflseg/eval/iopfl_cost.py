@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from pflseg.algorithms.routing import build_routed_model, loss_weights, router_parameters, unsupervised_loss
-from pflseg.eval.markdown import markdown_table
-from pflseg.eval.speed import best_seconds
+from pflseg.deploy.sampling import best_seconds
+from pflseg.markdown import markdown_table
 from pflseg.nets import build_net
 
 

@@ -3,7 +3,7 @@
     run_job("fedavg", sites=2, rounds=1, workspace="runs/fedavg")   # prints what `pflseg run fedavg` prints
 
 The workspace (default ``runs/<job>``) is locked for the whole run: a second run there fails before it touches
-anything (``pflseg.deploy.simulator.workspace_lock``). An earlier run there is never overwritten without a word
+anything (``pflseg.deploy.workspace.workspace_lock``). An earlier run there is never overwritten without a word
 (``plan_run``): another run, or the same one without ``resume``, is kept in ``<workspace>.<timestamp>``; with
 ``resume`` the same run continues at the round after its last completed one, or is read back when it is already
 complete. A bad job name, ``--set`` or data (what ``pflseg data check`` refuses) fails before the workspace is made.
@@ -16,16 +16,8 @@ from pathlib import Path
 
 from pflseg.config import load_job_config
 from pflseg.deploy.data_sites import check_run_data, job_overrides, planned_sites, run_sites
-from pflseg.deploy.simulator import (
-    judge,
-    move_aside,
-    read_record,
-    result_warnings,
-    run_record,
-    run_simulator,
-    server_state,
-    workspace_lock,
-)
+from pflseg.deploy.simulator import result_warnings, run_simulator
+from pflseg.deploy.workspace import judge, move_aside, read_record, run_record, server_state, workspace_lock
 from pflseg.eval.plots import write_results
 from pflseg.eval.tables import run_tables
 from pflseg.flare.jobs import export_job

@@ -27,9 +27,9 @@ over the measured rounds) beside FLARE's per-round floor for the job's site exec
 ``config_fed_client.json``; measured with a no-work job whose controller waits for FLARE's task check,
 docs/speed.md: Client API in-process 1.2 s simulator / 0.8 s POC, plain ``Executor`` 0.6 s / 0.4 s; pflseg's controllers
 go on the moment the last site has answered, so a fixed cost may lie below its floor). ``sim``: ``nvflare simulator``
-(``pflseg.deploy.simulator.run_simulator``), with the
-host memory (PSS) of its processes sampled (psutil, every 0.5 s: per site process and in all); ``poc``: one loopback POC
-federation (``pflseg.deploy.poc.PocFederation``) that runs every method's job in turn through the FLARE API.
+(``pflseg.deploy.simulator.run_simulator``), with the host memory (PSS) of its processes sampled
+(``pflseg.deploy.sampling``, every 0.5 s: per site process and in all); ``poc``: one loopback POC federation
+(``pflseg.deploy.poc.PocFederation``) that runs every method's job in turn through the FLARE API.
 
 Server aggregation: each method's controller ``aggregate`` step (the very method its ``round`` calls, on a
 controller made outside FLARE with ``init_state``) over K Gaussian updates of the job's net (a UNet of about 8 M
@@ -52,7 +52,6 @@ import multiprocessing
 import os
 import statistics
 import tempfile
-import threading
 import time
 import types
 from collections.abc import Callable, Sequence
@@ -60,7 +59,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from pflseg.eval.markdown import markdown_table
+from pflseg.deploy.sampling import GIB, MemorySampler, best_seconds, named
+from pflseg.markdown import markdown_table
 
 #: FLARE 2.9's per-round floor (seconds) by (site executor kind, environment), measured with a no-work job
 #: (docs/speed.md)
@@ -73,7 +73,6 @@ DEFAULTS: dict[str, Any] = {"methods": ("fedavg", "grace"), "sites": 3, "rounds"
                             "agg_sites": 6, "repeats": 3, "scaling_sites": (3, 6, 12, 24),
                             "scaling_sizes": (64, 128, 256), "scaling_experts": (4, 7, 13, 25),
                             "scaling_method": "fedavg"}
-GIB = 2**30
 
 
 # ---- the arithmetic (pure) ------------------------------------------------------------------------------------------
@@ -196,89 +195,6 @@ def _execution_mode(cls, args: dict) -> str | None:
         return None
 
 
-# ---- host memory of a process tree ----------------------------------------------------------------------------------
-def site_of(cmdline: Sequence[str]) -> str:
-    """Whose process a simulator process is: the site after ``--client`` (FLARE's simulator worker), else
-    ``server`` (the simulator itself, which runs the server)."""
-    args = list(cmdline)
-    if "--client" in args and args.index("--client") + 1 < len(args):
-        return args[args.index("--client") + 1]
-    return "server"
-
-
-class MemorySampler(threading.Thread):
-    """Samples, every ``period`` s, the memory of every process whose command line names ``marker`` (or a path
-    under it), by ``site_of`` of its command line, and of their descendants, each counted for its nearest such
-    ancestor. ``peak()``: the peak of the sum, and of each part (the simulator and each site process).
-
-    Memory is the proportional set size (PSS, Linux; RSS where the system has none): a page shared by n processes
-    (torch's and MONAI's libraries, mapped by every site) counts 1/n in each, so the sum is what the machine holds.
-    The sum of RSS, which counts a shared page once per process, is kept too (``peak_total_rss_gib``)."""
-
-    def __init__(self, marker: str | Path, period: float = 0.5):
-        super().__init__(daemon=True)
-        self.marker, self.period = str(marker), period
-        self.total, self.total_rss, self.samples = 0, 0, 0
-        self.parts: dict[str, int] = {}
-        self._stop_event = threading.Event()
-
-    def __enter__(self):
-        self.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop_event.set()
-        self.join()
-
-    def run(self):
-        while not self._stop_event.wait(self.period):
-            self.sample()
-
-    def sample(self) -> None:
-        import psutil
-
-        matched: dict[int, tuple] = {}
-        for proc in psutil.process_iter(["cmdline"]):
-            args = proc.info.get("cmdline") or []
-            if any(a == self.marker or a.startswith(self.marker + os.sep) for a in args):
-                matched[proc.pid] = (proc, site_of(args))
-        labels = {pid: label for pid, (_, label) in matched.items()}
-
-        def inherit(proc, label: str) -> None:  # a descendant that names no site counts for its nearest named ancestor
-            try:
-                children = proc.children()
-            except psutil.Error:
-                return
-            for child in children:
-                if child.pid not in matched:
-                    labels[child.pid] = label
-                    inherit(child, label)
-
-        for proc, label in matched.values():
-            inherit(proc, label)
-        parts: dict[str, int] = {}
-        rss = 0
-        for pid, label in labels.items():
-            try:
-                mem = psutil.Process(pid).memory_full_info()
-            except psutil.Error:
-                continue
-            parts[label] = parts.get(label, 0) + getattr(mem, "pss", mem.rss)
-            rss += mem.rss
-        if parts:
-            self.samples += 1
-            self.total, self.total_rss = max(self.total, sum(parts.values())), max(self.total_rss, rss)
-            for label, rss in parts.items():
-                self.parts[label] = max(self.parts.get(label, 0), rss)
-
-    def peak(self) -> dict:
-        sites = {k: v / GIB for k, v in sorted(self.parts.items()) if k != "server"}
-        return {"peak_total_gib": self.total / GIB, "peak_total_rss_gib": self.total_rss / GIB,
-                "peak_server_gib": self.parts.get("server", 0) / GIB,
-                "peak_site_gib": sites, "peak_site_max_gib": max(sites.values(), default=0.0),
-                "samples": self.samples}
-
-
 # ---- (a) the plain loop ---------------------------------------------------------------------------------------------
 def plain_equivalent(site_cls) -> str | None:
     """Why a method's site class has no plain loop here (None: it has one): its round is its own ``step``, or it
@@ -318,13 +234,17 @@ def _plain_site(root: str, site: str, cfg: dict, site_cls, rounds: int, threads:
 
 
 def _plain_loop(root: str, site: str, cfg: dict, site_cls, rounds: int, threads: int, barrier) -> list[float]:
+    """The plain side of the comparison. Its data order (``make_loader``) and optimizer (``build_optimizer``) are the
+    one training loop's, its epochs are written out here on purpose: the one loop (``train_epochs``) reads every
+    batch's loss back to the host (``isfinite``, the mean loss: two device syncs per batch on a GPU), which is part
+    of what a site's compute is measured to cost against a plain PyTorch loop."""
     import torch
     from monai.metrics import DiceMetric
     from torch.utils.data import DataLoader
 
     from pflseg.data import site_dataset
     from pflseg.nets import build_net
-    from pflseg.train import build_loss, derive_seed, pick_device, seed_everything
+    from pflseg.train import build_loss, build_optimizer, derive_seed, make_loader, pick_device, seed_everything
 
     torch.set_num_threads(threads)
     device = pick_device("auto")
@@ -353,12 +273,9 @@ def _plain_loop(root: str, site: str, cfg: dict, site_cls, rounds: int, threads:
         validate()
         hooks, extra = site_cls.round_hooks(stand_in, model, {})
         if optimizer is None or extra is not None or not tc["keep_optimizer_state"]:
-            groups = [{"params": list(model.parameters())}]
-            if extra is not None:
-                groups.append({"params": list(extra.to(device).parameters())})
-            optimizer = torch.optim.Adam(groups, lr=tc["lr"])
-        loader = DataLoader(train, batch_size=tc["batch_size"], shuffle=True,
-                            generator=torch.Generator().manual_seed(seed))
+            optimizer = build_optimizer(model, device, tc["lr"],
+                                        extra=None if extra is None else list(extra.to(device).parameters()))
+        loader = make_loader(train, tc["batch_size"], shuffle=True, seed=seed)
         model.train()
         for _ in range(tc["epochs"]):
             for batch in loader:
@@ -432,7 +349,7 @@ def run_sim(workspace: Path, job: str, n_sites: int, root: Path, overrides: dict
 
     ws = workspace / "sim" / job
     job_dir = export_job(job, ws / "job", overrides=overrides)
-    with MemorySampler(ws.resolve() / "sim") as sampler:
+    with MemorySampler(named(ws.resolve() / "sim")) as sampler:
         results = run_simulator(job_dir, ws, n_sites=n_sites, data=root, progress=progress)
     return {"history": _history(results), "executor": executor_kind(job_dir), "footprint": results.get("footprint"),
             "memory": sampler.peak()}
@@ -472,19 +389,6 @@ def plain_weighted_average(states: Sequence[dict], weights: Sequence[float]) -> 
     total = float(sum(weights))
     p = [float(w) / total for w in weights]
     return {k: sum(pk * s[k].float() for pk, s in zip(p, states)) for k in states[0]}
-
-
-def best_seconds(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Minimum wall time of each function over ``repeats`` interleaved rounds, after one warm-up call each."""
-    best = {name: float("inf") for name in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
 
 
 def aggregation_times(jobs: Sequence[str], n_sites: int = 6, repeats: int = 3, net: dict | None = None) -> list[dict]:
@@ -682,7 +586,7 @@ def run(workspace: str | Path, methods: Sequence[str] = DEFAULTS["methods"], sit
         sets: config overrides of every job (``pflseg.config.parse_set`` of ``--set``).
         scale: also the scaling sweeps (``scaling``).
     """
-    from pflseg.deploy.simulator import workspace_lock
+    from pflseg.deploy.workspace import workspace_lock
 
     unknown = [e for e in envs if e not in ENVS]
     if unknown or not envs:
@@ -700,37 +604,8 @@ def run(workspace: str | Path, methods: Sequence[str] = DEFAULTS["methods"], sit
         overrides = {job: job_overrides(sites, rounds, size, sets, executor) for job in methods}
         for env in envs:
             result["runs"][env] = {}
-        if "sim" in envs:
-            for job in methods:
-                progress(f"[sim] {job}: {sites} sites, {rounds} rounds, size {size}")
-                try:
-                    result["runs"]["sim"][job] = run_sim(ws, job, sites, root, overrides[job], progress)
-                except Exception as exc:  # noqa: BLE001 - named in the report; the other runs go on
-                    result["errors"].append(f"sim {job}: {type(exc).__name__}: {exc}")
-        if "poc" in envs:
-            progress(f"[poc] {', '.join(methods)}: {sites} sites, {rounds} rounds, size {size}")
-            try:
-                for job, run_ in run_poc(ws, overrides, sites, root, progress).items():
-                    if "error" in run_:
-                        result["errors"].append(f"poc {job}: {run_['error']}")
-                    else:
-                        result["runs"]["poc"][job] = run_
-            except Exception as exc:  # noqa: BLE001
-                result["errors"].append(f"poc: {type(exc).__name__}: {exc}")
-        from pflseg.config import load_job_config
-        from pflseg.flare.methods import method
-
-        for job in methods:
-            cfg = _effective(ws, job, result["runs"]) or load_job_config(job, overrides=overrides[job])
-            why = plain_equivalent(method(cfg).site)
-            if why:
-                result["plain"][job] = {"none": why}
-                continue
-            progress(f"[plain] {job}: {sites} sites at once, {rounds} rounds")
-            try:
-                result["plain"][job] = {"seconds": plain_rounds(root, names, cfg, rounds, threads_per_site(sites))}
-            except Exception as exc:  # noqa: BLE001
-                result["errors"].append(f"plain {job}: {type(exc).__name__}: {exc}")
+        _flare_runs(result, ws, root, overrides, progress)
+        _plain_runs(result, ws, root, names, overrides, progress)
         for env in envs:
             for job, run_ in result["runs"][env].items():
                 plain = result["plain"].get(job, {}).get("seconds")
@@ -755,9 +630,54 @@ def run(workspace: str | Path, methods: Sequence[str] = DEFAULTS["methods"], sit
     return result
 
 
+def _flare_runs(result: dict, ws: Path, root: Path, overrides: dict[str, dict], progress) -> None:
+    """(b), (c): every job in each environment of ``result["setup"]`` into ``result["runs"][env][job]``; a run that
+    failed is named in ``result["errors"]`` and the others go on."""
+    s = result["setup"]
+    methods, sites, rounds, size = s["methods"], s["sites"], s["rounds"], s["size"]
+    if "sim" in s["envs"]:
+        for job in methods:
+            progress(f"[sim] {job}: {sites} sites, {rounds} rounds, size {size}")
+            try:
+                result["runs"]["sim"][job] = run_sim(ws, job, sites, root, overrides[job], progress)
+            except Exception as exc:  # noqa: BLE001 - named in the report; the other runs go on
+                result["errors"].append(f"sim {job}: {type(exc).__name__}: {exc}")
+    if "poc" in s["envs"]:
+        progress(f"[poc] {', '.join(methods)}: {sites} sites, {rounds} rounds, size {size}")
+        try:
+            for job, run_ in run_poc(ws, overrides, sites, root, progress).items():
+                if "error" in run_:
+                    result["errors"].append(f"poc {job}: {run_['error']}")
+                else:
+                    result["runs"]["poc"][job] = run_
+        except Exception as exc:  # noqa: BLE001
+            result["errors"].append(f"poc: {type(exc).__name__}: {exc}")
+
+
+def _plain_runs(result: dict, ws: Path, root: Path, names: list[str], overrides: dict[str, dict], progress) -> None:
+    """(a): every job's plain loop, with the config its sites received, into ``result["plain"][job]`` (``{"none":
+    why}`` for a method without one); a failure is named in ``result["errors"]``."""
+    from pflseg.config import load_job_config
+    from pflseg.flare.methods import method
+
+    s = result["setup"]
+    for job in s["methods"]:
+        cfg = _effective(ws, job, result["runs"]) or load_job_config(job, overrides=overrides[job])
+        why = plain_equivalent(method(cfg).site)
+        if why:
+            result["plain"][job] = {"none": why}
+            continue
+        progress(f"[plain] {job}: {s['sites']} sites at once, {s['rounds']} rounds")
+        try:
+            result["plain"][job] = {"seconds": plain_rounds(root, names, cfg, s["rounds"],
+                                                            threads_per_site(s["sites"]))}
+        except Exception as exc:  # noqa: BLE001
+            result["errors"].append(f"plain {job}: {type(exc).__name__}: {exc}")
+
+
 def _effective(ws: Path, job: str, runs: dict) -> dict | None:
     """The effective config the sites received: the exported job's (simulator first, then POC); None if none ran."""
-    from pflseg.deploy.simulator import job_config
+    from pflseg.deploy.workspace import job_config
 
     for folder in (ws / "sim" / job / "job" / job, ws / "poc" / "jobs" / job):
         try:

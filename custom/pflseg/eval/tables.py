@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pflseg.eval.markdown import markdown_table
 from pflseg.flare.methods import METHODS
 from pflseg.infer.routing import LABELS as ROUTE_LABELS
 from pflseg.infer.routing import METHODS as ROUTE_METHODS
 from pflseg.infer.routing import NORM as ROUTE_NORM
+from pflseg.markdown import markdown_table
 
 
 def label(results: dict, job: str) -> str:

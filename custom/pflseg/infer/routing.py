@@ -1,90 +1,10 @@
 """IOP-FL test-time routing at one outside site, with its comparators, scored and written.
 
-Given the K local adapted models P_1..P_K and the global model w_g (the routing bundle) and a site's
-images, :func:`route_site` runs, on all of them, unlabeled. Each method is scored under one normalisation
-treatment (``NORM``, in brackets): ``running`` = batch norm with the running statistics from training,
-``batch`` = with the statistics of the test batch being predicted (the two coincide for a network without
-batch norm). Every non-adaptive comparator is scored under both, so that a table can compare like with like:
-
-    global          [running] w_g as trained (FedAvg)
-    global_bn       [batch]   w_g
-    average         [running] the experts' weight average (P_1..P_K, w_g)
-    average_bn      [batch]   the experts' weight average: the routed models' starting point (routers that
-                              start at 1/E with ``rest: average``)
-    ensemble        [running] the mean of the experts' probabilities
-    ensemble_bn     [batch]   the mean of the experts' probabilities, every expert with batch statistics
-    tent            [batch]   online Tent (Wang et al., ICLR 2021) on w_g: ONE pass in a seeded shuffled order,
-                              Adam (``iopfl.lr``) on the norm layers' affine parameters only, loss the batch-mean
-                              binary entropy; each batch is predicted by the forward pass before its own update
-    tent_epochs     [batch]   Tent for the routing step budget, per sample the lowest-entropy prediction
-    routing_global  [batch]   the paper's "IOP-FL (Global)" ablation: ONE coefficient per expert for the whole
-                              model, shared by every layer and every sample (router ``model``)
-    routing_layer   [batch]   ours: one coefficient vector per layer, shared by the samples (router ``layer_global``)
-    routing         [batch]   the routed model with per-sample, per-layer routers (``iopfl.router``)
-
-The routed models use batch statistics because ``build_routed_model`` puts every batch-norm layer in that mode
-(``use_batch_stats``). Batch statistics depend on which images share a batch, so every batch-statistics method
-sees the same batches of ``iopfl.batch_size`` images in one seeded shuffled order: the comparators' one pass,
-Tent's one pass and the first pass of every multi-pass method. The adaptive ones run Adam through the
-project's one training loop (``Hooks.step``) and keep, per sample, the prediction made at its lowest
-unsupervised loss (``pflseg.algorithms.routing``; with one pass that is the one prediction made before the
-sample's update). Labels, where present, only score. Per-case Dice and the predictions' files (each in its
-input file's size and geometry: NIfTI with the input's affine, PNG at its size) reuse ``pflseg.train.predictions``.
-
-Settings (:func:`settings`). ``iopfl.router`` names the variant; ``loss_weights``, ``norm_affine``, ``rot_flip``,
-``rest``, ``lr_grid`` and ``lr_guard`` left null take that variant's own: ``paper`` (and the coefficient routers)
-the paper's (routers only, the paper's loss, no rot/flip, non-routed parameters averaged, Adam at ``iopfl.lr``,
-1e-3, no collapse guard); ``refcode`` the reference code's profile (its 2-layer router, norm affine parameters
-trained, its loss weights, rot90/flip consistency, non-routed parameters from w_g, ``iopfl.lr``, no guard);
-``normalised`` (ours, the default) as the paper's (``iopfl.lr``, no guard; chosen on validation sites, see
-``VARIANTS``). A value set explicitly wins. The step budget of every multi-pass method is ``iopfl.steps`` optimizer
-steps, or ``iopfl.epochs`` shuffled passes of ceil(n / ``iopfl.batch_size``) steps when ``steps`` is 0
-(:func:`budget`).
-
-Learning rate of the routers. A non-empty grid: each routed method tries every rate of the grid from
-the same start (same seed, same router init) for ``iopfl.lr_trial_steps`` steps (0 = the whole budget) and
-measures, in one pass over all of the site's images in the seeded batches with the same noise for every rate,
-the FINAL unsupervised loss (mean per sample) and the predicted foreground fraction (:func:`final_loss`). With
-the collapse guard (``lr_guard`` > 0, :func:`choose_lr`, :func:`departs`) a rate whose foreground fraction
-departs from the starting model's by more than ``lr_guard`` times that fraction is refused; the lowest loss
-among the others wins, and the smallest rate when every one is refused. Without it (0) the lowest loss wins.
-With a full-budget trial the winner's run is the result; with a shorter one the method then runs its whole
-budget at the chosen rate. Empty grid: ``iopfl.lr`` (which Tent always uses). Then the guard checks the run
-that would be kept (:func:`route_with_lr`): when its final foreground departs too, the run is refused and the
-method keeps the starting model's predictions (for ``routing``: ``routing_step0``, i.e. ``average_bn``;
-``adaptation.refused``). Labels never choose. Each method's ``seconds`` include its trials.
-
-Why the guard: the unsupervised loss falls as the predicted foreground shrinks (a constant, confident map is
-consistent, smooth and certain), so the lowest loss picks a collapse. Measured on the bench preset (seed 0,
-validation outside sites outside the bench's own: a near copy of site 2 and an extrapolated site; 304 images
-each, 380 steps): every rate shrank the foreground, by 5-6 % (1e-3) to 16-22 % (1e-1) after the 30-step trials
-and by 18 % (1e-3), 23 % (1e-2), 22-26 % (1e-1) after the whole budget; the lowest loss picked 1e-1 (routing
-Dice 0.506 and 0.377 against 0.642 and 0.446 for the start, ``average_bn``), 1e-3 scored 0.508 and 0.398. The
-guard at 0.1 (or 0.05, or 0.15) refuses every whole run there and keeps the start. Earlier, on a tiny setting
-(64 x 64 images, 40 at the outside site, 50 steps): the paper's and the reference code's independent sigmoids
-collapse to near-empty predictions at 1e-2 and 1e-1 (their coefficient sums drift from 1, so a layer's kernel
-scale is free), with by far the lowest loss: their variants keep ``iopfl.lr``.
-
-Diagnostics (``result["diagnostics"]``; labels only score): the effective ``settings``; every expert alone
-under both treatments (``experts.dice`` / ``dice_bn``, with the comparators) and ||P_k - w_g|| / ||w_g|| over
-the routed layers' weights and biases (``experts.relative_distance``); per routed method (``adaptation``) the
-chosen rate, the grid's final losses, foreground fractions, agreements (the Dice of a rate's predictions with
-the starting model's, pooled over the site) and which the guard refused, the steps, the unsupervised loss and
-the predicted foreground fraction at the start and at the end of the run at the chosen rate, its agreement and
-whether the guard refused it (a foreground collapsing towards 0 is the loss's trivial minimum); and routing at
-step 0 under the same (batch-statistics) treatment next to ``average_bn`` and routing's own Dice (``start``).
-Per routed method, ``coefficients`` also hold the movement from the start (mean |coef - coef_0| per routed
-layer, over images and experts; 0 for a refused run, which keeps the start) and the spread of each layer's
-coefficients over the images (0: that layer's router is input-independent, as the first layer's is on
-z-scored images).
-
-Mixed precision (``amp``: ``train.amp``, ``pflseg.train.loop``): every forward pass (the comparators, the routed
-models, Tent, the final losses, the predictions and the coefficients' pass) runs under autocast on the models' device
-and its output is cast to float32 before the sigmoid, so the unsupervised loss, its noise and the predictions are
-computed in float32 (``pflseg.train.evaluate.amp_forward``). The adaptive methods' Adam steps (routing, Tent) scale
-their backward pass with a ``torch.amp.GradScaler`` under fp16 (on CUDA; a new one per run, as the loop's: a step
-whose gradient overflowed is skipped); fp16 off CUDA computes in float32 (``amp_dtype``). Off (the default) changes
-nothing.
+Given the K local adapted models P_1..P_K and the global model w_g (the routing bundle) and a site's images,
+:func:`route_site` runs the routed models and every comparator (``NORM``: each method with its normalisation
+treatment) on them, unlabeled; labels, where present, only score. What each method computes, the router variants'
+settings (:func:`settings`), the step budget, the learning-rate grid and collapse guard, the diagnostics and mixed
+precision (``train.amp``): pflseg/algorithms/METHODS.md, "IOP-FL", "Outside: test-time routing".
 """
 
 from __future__ import annotations
@@ -117,7 +37,7 @@ from pflseg.train.loop import Hooks, amp_dtype, backward_step, make_loader, seed
 from pflseg.train.predictions import case_dice, case_names, case_sources, write_predictions
 from pflseg.train.progress import Progress
 
-#: every method :func:`route_site` scores, in table order, with its normalisation treatment (module docstring)
+#: every method :func:`route_site` scores, in table order, with its normalisation treatment (METHODS.md)
 NORM = {"global": "running", "global_bn": "batch", "average": "running", "average_bn": "batch",
         "ensemble": "running", "ensemble_bn": "batch", "tent": "batch", "tent_epochs": "batch",
         "tent_average": "batch", "routing_global": "batch", "routing_layer": "batch", "routing": "batch",
@@ -138,7 +58,7 @@ class StaticComparators(nn.Module):
     Args:
         experts: [P_1, ..., P_K, w_g], one architecture (image (B, C_in, H, W) -> logits (B, C, H, W)). They are
             held, not copied (``.to`` and ``.eval`` apply to them); the batch-statistics versions are copies.
-        amp: ``train.amp`` of the forward passes (module docstring).
+        amp: ``train.amp`` of the forward passes (METHODS.md).
 
     ``forward(images)``: images (B, C_in, H, W) -> {method: (B, C, H, W) sigmoid probabilities} for ``global``,
     ``average``, ``ensemble`` (running statistics) and ``global_bn``, ``average_bn``, ``ensemble_bn`` (the
@@ -169,7 +89,7 @@ class StaticComparators(nn.Module):
         return out
 
 
-#: what a router variant does where the config leaves a key null (module docstring); an empty lr_grid = iopfl.lr,
+#: what a router variant does where the config leaves a key null (METHODS.md); an empty lr_grid = iopfl.lr,
 #: an lr_guard of 0 = no collapse guard. Every variant now adapts at ``iopfl.lr`` without a guard: on validation
 #: outside sites the grid's lowest final loss picked 1e-1, which scored below 1e-3 (``pflseg report
 #: routing-validation``; docs/benchmark.md), and with the size prior in the loss the foreground no longer collapses
@@ -229,7 +149,7 @@ def adapt(model: nn.Module, params: list, dataset: Dataset, device, weights: dic
     """Adam (``lr``) on ``params`` for ``steps`` optimizer steps of the unsupervised loss over ``dataset``, in
     batches of ``cfg["batch_size"]`` in a shuffled order seeded by ``seed``, pass after pass (the one training
     loop with a custom step). Each step predicts with the forward pass before its update. ``amp``: ``train.amp``
-    (module docstring; fp16 on CUDA: a gradient scaler). ``on_step(model, step)``, when given, is called after
+    (METHODS.md; fp16 on CUDA: a gradient scaler). ``on_step(model, step)``, when given, is called after
     every optimizer step (1, 2, ...; validation curves, ``pflseg.eval.routing_validation``). A progress line with
     an ETA (``pflseg.train.progress``, FLARE's log at the site) names ``what`` every 10 s of a long run.
 
@@ -273,7 +193,7 @@ def final_loss(model: nn.Module, dataset: Dataset, device, weights: dict, cfg: d
 
     Args:
         reference: {sample key: (C, H, W) bool} (:func:`predict` of the starting model in the same batches), or None.
-        amp: ``train.amp`` of the forward passes (module docstring).
+        amp: ``train.amp`` of the forward passes (METHODS.md).
     Returns:
         (the loss, the fraction of pixels predicted foreground: a label-free sign of a collapse, and the agreement
         with ``reference``: the Dice of the two predicted foregrounds pooled over every pixel of the site, 1.0 when
@@ -343,8 +263,8 @@ def _trainable(routed: nn.Module, norm_affine: bool) -> list:
 
 def route_with_lr(build, dataset: Dataset, device, weights: dict, cfg: dict, seed: int, start_foreground: float,
                   reference: dict | None = None, amp: str = "off") -> tuple[nn.Module, dict]:
-    """Adapt the routed model ``build()`` makes at the rate :func:`choose_lr` picks from the grid (module
-    docstring), or at the one rate, under the collapse guard of ``lr_guard`` (:func:`settings`): the whole run
+    """Adapt the routed model ``build()`` makes at the rate :func:`choose_lr` picks from the grid
+    (METHODS.md), or at the one rate, under the collapse guard of ``lr_guard`` (:func:`settings`): the whole run
     at that rate is refused when its final foreground :func:`departs` from ``start_foreground`` (the starting
     model's); the caller then keeps the starting model. Every model is built after ``seed_everything(seed)``
     (one router init).
@@ -352,7 +272,7 @@ def route_with_lr(build, dataset: Dataset, device, weights: dict, cfg: dict, see
     Args:
         start_foreground: the starting model's predicted foreground fraction (:func:`final_loss`).
         reference: the starting model's :func:`predict` (the agreement diagnostic), or None.
-        amp: ``train.amp`` of the runs and their final losses (module docstring).
+        amp: ``train.amp`` of the runs and their final losses (METHODS.md).
 
     Returns:
         (the adapted model, or the starting model when refused, {"best", "seconds" (trials included), "steps",
@@ -408,7 +328,7 @@ def tent(model: nn.Module, dataset: Dataset, device, cfg: dict, seed: int,
 
     ``steps=None`` is standard online Tent (``tent``): one pass over ``dataset`` in the seeded shuffled order
     of :func:`adapt`, each batch predicted before its own update. More steps (``tent_epochs``: the routing
-    budget) keep per sample its lowest-entropy prediction. ``amp``: ``train.amp`` (module docstring, :func:`adapt`).
+    budget) keep per sample its lowest-entropy prediction. ``amp``: ``train.amp`` (METHODS.md, :func:`adapt`).
 
     Returns:
         As :func:`adapt`; None when the network's normalisation layers have no affine parameter.
@@ -426,7 +346,7 @@ def tent(model: nn.Module, dataset: Dataset, device, cfg: dict, seed: int,
 @torch.no_grad()
 def predict(model: nn.Module, dataset: Dataset, device, batch_size: int, seed: int, amp: str = "off") -> dict:
     """{sample key: (C, H, W) bool} of ``model`` (eval mode) in the seeded shuffled batches (batch statistics
-    depend on them); ``amp``: ``train.amp`` of the forward passes (module docstring)."""
+    depend on them); ``amp``: ``train.amp`` of the forward passes (METHODS.md)."""
     was_training = model.training
     model.eval()
     dtype = amp_dtype(amp, device)
@@ -445,7 +365,7 @@ def sample_coefficients(routed: nn.Module, dataset: Dataset, device, batch_size:
                         amp: str = "off") -> list[torch.Tensor]:
     """The routing coefficients of every routed layer (forward order) for every image of ``dataset`` (in its
     order), routed in eval mode: [(N, E) float64 per layer], experts in order (P_1..P_K, w_g). ``amp``: ``train.amp``
-    of the forward passes (module docstring): the coefficients as the routed model computes them under it."""
+    of the forward passes (METHODS.md): the coefficients as the routed model computes them under it."""
     layers = [m for m in routed.modules() if isinstance(m, RoutedConv)]
     rows: list[list] = [[] for _ in layers]
 
@@ -491,7 +411,7 @@ def mean_coefficients(routed: nn.Module, dataset: Dataset, device, batch_size: i
 def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Dataset, device, cfg: dict, seed: int = 0,
                out_dir: str | Path | None = None, label_encoding: str = "nested", comparators: bool | list = True,
                batch_size: int = 32, amp: str = "off", prior: Sequence[float] | None = None) -> dict:
-    """Route ``dataset`` through the bundle and score every method (see the module docstring).
+    """Route ``dataset`` through the bundle and score every method (METHODS.md, IOP-FL, outside).
 
     Args:
         experts: the K local adapted models P_1..P_K (one architecture; logits (B, C, H, W)).
@@ -504,7 +424,7 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
         out_dir: where the routing predictions are written (one file per case).
         comparators: True: score every method of ``METHODS``; False: routing only; a list: routing and these.
         batch_size: batch of :func:`mean_coefficients` (no gradient).
-        amp: ``train.amp`` (off | bf16 | fp16) of every method's forward passes (module docstring).
+        amp: ``train.amp`` (off | bf16 | fp16) of every method's forward passes (METHODS.md).
         prior: the size prior, one foreground fraction per class (the inside sites' training labels, shared with
             the bundle); needed when ``cfg["size_prior"]`` > 0.
 
@@ -512,7 +432,7 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
         {"n_images", "n_cases", "methods": {name: {"dice", "dice_per_class", "per_case", "seconds"}},
         "norm": {name: "running" | "batch"} for every method scored, "predictions": str(out_dir) or None,
         "seconds_per_sample": routing's kept run per sample visit (per sample and pass), "coefficients":
-        {routed method: :func:`mean_coefficients` with its movement}, "diagnostics" (module docstring) and
+        {routed method: :func:`mean_coefficients` with its movement}, "diagnostics" (METHODS.md) and
         "tent_note" when Tent had nothing to adapt (tent and tent_epochs are then not scored)}.
     """
     if len(dataset) == 0:

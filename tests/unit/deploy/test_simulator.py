@@ -12,15 +12,14 @@ import pytest
 from pflseg.cli import _run_overrides, build_parser, main
 from pflseg.config import load_job_config
 from pflseg.data import make_synthetic
-from pflseg.deploy.simulator import (
-    Interrupted,
+from pflseg.deploy.simulator import Interrupted, run_side_by_side
+from pflseg.deploy.workspace import (
     WorkspaceBusy,
     differences,
     judge,
     move_aside,
     read_record,
     run_record,
-    run_side_by_side,
     workspace_lock,
 )
 from pflseg.flare.state import RoundStore
@@ -32,7 +31,7 @@ def holder(tmp_path):
     ws = tmp_path / "ws"
     code = textwrap.dedent(f"""
         import sys, time
-        from pflseg.deploy.simulator import workspace_lock
+        from pflseg.deploy.workspace import workspace_lock
         with workspace_lock({str(ws)!r}):
             print("held", flush=True)
             time.sleep(60)

@@ -73,7 +73,7 @@ def fake_simulator(calls):
     import json
     from pathlib import Path
 
-    from pflseg.deploy.simulator import record_run
+    from pflseg.deploy.workspace import record_run
 
     def run_simulator(job_dir, workspace, n_sites=3, threads=None, data=None, progress=print, clients=None,
                       inputs=None):

@@ -9,7 +9,7 @@ import pytest
 
 from pflseg.cli import main
 from pflseg.config import load_job_config
-from pflseg.deploy.simulator import run_record
+from pflseg.deploy.workspace import run_record
 from pflseg.flare.state import RoundStore
 
 

@@ -1,13 +1,8 @@
 """The pure parts of `pflseg report speed` (pflseg.eval.speed): the round arithmetic against hand-made histories, the
-floors, the tables, the site executor kind of a job folder, the memory sampler on a real process."""
+floors, the tables, the site executor kind of a job folder (its memory sampler: tests/unit/deploy/test_sampling.py)."""
 
 import argparse
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -168,37 +163,6 @@ def test_executor_kind_of_the_train_task(tmp_path):
     assert speed.executor_kind(job_folder(tmp_path, f"{__name__}.Echo", tasks=["validate"])) == "unknown"
     job = job_folder(tmp_path, f"{__name__}.Echo", tasks=["train"])
     assert speed.executor_kind(job) == "executor"
-
-
-# ---- memory --------------------------------------------------------------------------------------------------------
-def test_site_of_a_simulator_process():
-    worker = ["python", "-m", "nvflare.private.fed.app.simulator.simulator_worker", "-o", "/ws/sim/site-2",
-              "--client", "site-2", "--token", "x"]
-    assert speed.site_of(worker) == "site-2"
-    assert speed.site_of(["nvflare", "simulator", "/jobs/fedavg", "-w", "/ws/sim", "-n", "2"]) == "server"
-
-
-def test_memory_sampler_counts_each_process_for_its_site(tmp_path):
-    """A simulator that started a site worker (its child): each is counted for itself, not the child for its parent."""
-    marker = tmp_path / "sim"
-    child = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', "
-             f"{str(marker / 'site-1')!r}, '--client', 'site-1']); time.sleep(60)")
-    proc = subprocess.Popen([sys.executable, "-c", child, "-w", str(marker)], start_new_session=True)
-    try:
-        sampler = speed.MemorySampler(marker)
-        for _ in range(50):  # until both run
-            time.sleep(0.1)
-            sampler.sample()
-            if sampler.parts.keys() == {"server", "site-1"}:
-                break
-        peak = sampler.peak()
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert set(peak["peak_site_gib"]) == {"site-1"} and peak["peak_server_gib"] > 0
-    assert 0 < peak["peak_site_max_gib"] < peak["peak_total_gib"]
-    assert peak["peak_total_gib"] <= peak["peak_site_max_gib"] + peak["peak_server_gib"] + 1e-9
-    assert peak["peak_total_gib"] <= peak["peak_total_rss_gib"], "PSS splits the shared pages RSS counts twice"
 
 
 # ---- plain loop availability, flags -------------------------------------------------------------------------------

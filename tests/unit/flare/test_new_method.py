@@ -19,7 +19,7 @@ from nvflare.app_common.abstract.fl_model import FLModel
 from pflseg.cli import build_parser, main
 from pflseg.config import ConfigError, check_effective, configs_dir, job_names, load_job_config
 from pflseg.data import make_synthetic
-from pflseg.deploy.simulator import differences, run_record
+from pflseg.deploy.workspace import differences, run_record
 from pflseg.eval import bench as bench_module
 from pflseg.eval.bench import Bench, default_methods, inside_columns, outside_columns
 from pflseg.eval.tables import dice_table, label

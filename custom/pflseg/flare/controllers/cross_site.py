@@ -34,6 +34,7 @@ from pflseg.config import check_effective
 from pflseg.flare.controllers.base import PostTrainingController, check_update
 from pflseg.flare.state import RoundStore, write_text
 from pflseg.flare.wire import BEST, BEST_PERSON, GLOBAL, PERSON, SITE, prefixed, unprefixed
+from pflseg.markdown import markdown_table
 from pflseg.nets import build_net
 
 RESULTS = "cross_val_results.json"
@@ -44,11 +45,10 @@ FLARE_DIR = "cross_site_val"
 def matrix_markdown(matrix: dict, models: list[str], notes: list[str] = ()) -> str:
     """Markdown of the matrix ``{data site: {model: {"dice", ...}}}``: one row per data site, one column per model
     (test Dice; "-": not scored there), then the notes."""
-    head = ["site \\ model", *models]
     rows = [[site, *(f"{cells[m]['dice']:.4f}" if m in cells else "-" for m in models)]
             for site, cells in sorted(matrix.items())]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(["Cross-site evaluation: test Dice of each model (columns) at each site (rows)", "", *lines]
+    return "\n".join(["Cross-site evaluation: test Dice of each model (columns) at each site (rows)", "",
+                      markdown_table(["site \\ model", *models], rows)]
                      + ([""] + [f"- {n}" for n in notes] if notes else []))
 
 

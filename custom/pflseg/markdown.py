@@ -1,4 +1,6 @@
-"""Markdown shared by every report: one table renderer, one way to write a paired difference."""
+"""Markdown shared by every report and every layer that writes one (``pflseg.eval``, the cross-site matrix of
+``pflseg.flare.controllers.cross_site``, ``pflseg submit``'s metrics): one table renderer, one way to write a paired
+difference. Plain string work, no imports: every layer may use it."""
 
 from __future__ import annotations
 
