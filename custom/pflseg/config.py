@@ -267,7 +267,7 @@ def validate(cfg: Mapping, source: str = "config") -> None:
     if not 0.0 <= robust["trim"] < 0.5:
         raise ConfigError(f"{source}: robust.trim must lie in [0, 0.5) (the fraction dropped at each end), got "
                           f"{robust['trim']}")
-    for key in ("n_k_ratio", "norm_ratio"):
+    for key in ("n_k_ratio", "norm_ratio", "clip"):
         if not (robust[key] == 0 or 1.0 <= robust[key] <= 1e12):
             raise ConfigError(f"{source}: robust.{key} must be 0 (no bound) or in [1, 1e12] (a multiple of the other "
                               f"sites' median; an honest site may be that many times the others), got {robust[key]}")

@@ -441,6 +441,41 @@ def add_statistics(stats: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, tor
     return {key: sum((s[key] for s in stats), torch.zeros_like(stats[0][key])) for key in ("gram", "sum", "count")}
 
 
+def check_statistics(stats: Mapping[str, torch.Tensor], n_k: int, own_class: int | None = None) -> str | None:
+    """Why one site's ``class_statistics`` cannot be statistics of its ``n_k`` images, or None.
+
+    The class counts must be whole, non-negative and sum to ``n_k``; with ``own_class`` (FedSM's rounds: every
+    image of site k has class k) every other class's count and sum must be 0. The Gram matrix must be symmetric
+    and, less each present class's n_c mu_c mu_c^T, positive semi-definite (a within-class scatter; up to 1e-6 of
+    its trace): sums and Gram of one set of features. A site cannot add counts or means to other sites' classes.
+    """
+    count, sums, gram = (stats[k].detach().to("cpu", torch.float64) for k in ("count", "sum", "gram"))
+    if (count < 0).any() or not torch.equal(count, count.round()) or int(count.sum()) != n_k:
+        return f"class counts {count.tolist()} are not whole, non-negative and summing to n_k = {n_k}"
+    if own_class is not None:
+        other = torch.ones_like(count, dtype=torch.bool)
+        other[own_class] = False
+        foreign = torch.nonzero(other & ((count != 0) | (sums != 0).any(1))).flatten().tolist()
+        if foreign:
+            return f"statistics for class(es) {foreign}: a site's images all have its own class {own_class}"
+    if not torch.allclose(gram, gram.T) or (gram.diagonal() < 0).any():
+        return "the Gram matrix is not symmetric with a non-negative diagonal"
+    present = count > 0
+    mu = sums[present] / count[present, None]
+    scatter = gram - (mu.T * count[present]) @ mu
+    scatter = (scatter + scatter.T) / 2
+    low = float(torch.linalg.eigvalsh(scatter).min()) if scatter.numel() else 0.0
+    if low < -1e-6 * max(float(torch.trace(gram)), 1e-300):
+        return (f"the Gram matrix less the class means' part has an eigenvalue {low:.3g} < 0: not the statistics "
+                "of one set of features")
+    return None
+
+
+def scale_statistics(stats: Mapping[str, torch.Tensor], factor: float) -> dict[str, torch.Tensor]:
+    """``stats`` counted ``factor`` times (same class means and covariance, that much weight in the sum)."""
+    return {key: value * factor for key, value in stats.items()}
+
+
 #: Bias of a class that no site has samples of: never chosen.
 ABSENT_CLASS_BIAS = -1e9
 

@@ -5,21 +5,26 @@ positive integer under ``max_n_samples``; ``pflseg.flare.controllers.base``). A 
 values of any size and any n_k under the cap. The functions here bound what such a site can do:
 
     weight bound   n_k <- min(n_k, c_n * median_{j != k} n_j)                      (``bounded_weights``)
+    clip           u_k <- u_k * min(1, c_c * median_{j != k} ||u_j|| / ||u_k||)     (``clip_updates``)
+                   (before any weighting, whatever the method: one site moves an average by at most its
+                   weight x c_c honest updates; a state within the bound is passed on as it came)
     norm bound     leave k out if ||u_k|| > c_u * median_{j != k} ||u_j|| > 0       (``norm_outliers``)
                    (the whole update u_k = answer - what was sent, and each tensor of it that was sent;
                    the caller may skip keys: honest sites' Adam second moments differ by 1000x and more)
     aggregation    mean:          sum_k p_k w_k                  (``fedavg.weighted_average``, the default)
                    median:        coordinate-wise median of the w_k, unweighted
                    trimmed_mean:  per coordinate drop the b lowest and b highest values,
-                                  b = min(ceil(trim * K), (K - 1) // 2), weighted mean of the rest
+                                  b = min(ceil(trim * K), (K - 1) // 2), plain mean of the rest
 
 The medians are over the OTHER sites (leave-one-out), so with K = 2 each site is bounded by the other: a
-site cannot raise the median it is judged by. The robust rules ignore the weights (median) or use them only
-among the values that survive trimming (trimmed_mean): a weight is a site's own claim, and a robust rule
-assumes any site may lie. They need K >= 3 to differ from the mean (K = 2: median = mean, nothing trimmed).
+site cannot raise the median it is judged by. The robust rules ignore the weights: a weight is a site's own
+claim, and a robust rule assumes any site may lie (weighted, two colluders of five claiming n_k 99x kept one
+of them among the survivors with almost all of the weight: issue 39 F5). They need K >= 3 to differ from the
+mean (K = 2: median = mean, nothing trimmed).
 
 Plus the checks that keep one bad number from spreading: ``check_moments`` (FedSM's selector Adam moments:
-exp_avg_sq >= 0, step in its range) and ``first_nonfinite`` (an aggregate or a received model holding NaN /
+exp_avg_sq >= 0, |exp_avg| <= ``ADAM_RATIO`` sqrt(exp_avg_sq), step in its range; ``bound_moments`` on their
+aggregate) and ``first_nonfinite`` (an aggregate or a received model holding NaN /
 Inf or an absurd magnitude). Pure torch; no I/O.
 """
 
@@ -66,8 +71,8 @@ def combine_rows(block: torch.Tensor, weights: Sequence[float], rule: str = "mea
 
     Args:
         block: (K, P) values, one row per site (float64 recommended).
-        weights: K non-negative weights (normalised here); used by ``mean`` and, among the kept values, by
-            ``trimmed_mean``; ignored by ``median``.
+        weights: K non-negative weights (normalised here); used by ``mean`` only (``median`` and
+            ``trimmed_mean`` are unweighted: a weight is a site's own claim).
         rule: ``mean`` | ``median`` | ``trimmed_mean``.
         trim: fraction trimmed at each end (``trimmed_mean``), see ``trim_count``.
 
@@ -81,16 +86,12 @@ def combine_rows(block: torch.Tensor, weights: Sequence[float], rule: str = "mea
     p = torch.tensor(normalized_weights(weights), dtype=block.dtype)
     if rule == "mean":
         return p @ block
-    values, order = torch.sort(block, dim=0)
+    values = torch.sort(block, dim=0).values
     if rule == "median":
         lo, hi = (k - 1) // 2, k // 2
         return (values[lo] + values[hi]) / 2
     b = trim_count(k, trim)
-    w = p[order][b:k - b]  # each coordinate's weights, in the order of its sorted values
-    total = w.sum(dim=0)
-    kept = values[b:k - b]
-    equal = kept.mean(dim=0)  # where every kept weight is 0 (weights 0 are allowed): the plain mean
-    return torch.where(total > 0, (w * kept).sum(dim=0) / torch.where(total > 0, total, torch.ones_like(total)), equal)
+    return values[b:k - b].mean(dim=0)  # unweighted: a weight is a site's own claim (issue 39 F5)
 
 
 def aggregate(states: Sequence[State], weights: Sequence[float], keys: Sequence[str] | None = None,
@@ -141,6 +142,60 @@ def bounded_weights(weights: Sequence[float], ratio: float) -> list[float]:
         cap = ratio * _median_of_others(w, i)
         out.append(x if x <= cap else cap)
     return out
+
+
+def _float_keys(base: State, state: State, keys: Sequence[str] | None) -> list[str]:
+    """The keys of ``state`` whose update is a difference: floating, in ``base`` with the same shape."""
+    names = list(state) if keys is None else list(keys)
+    return [k for k in names if k in base and k in state and state[k].is_floating_point()
+            and tuple(base[k].shape) == tuple(state[k].shape)]
+
+
+def clip_updates(bases: Sequence[State], states: Sequence[State], ratio: float,
+                 keys: Sequence[str] | None = None) -> tuple[list[State], list[float], list[float]]:
+    """Each state's update clipped at ``ratio`` times the median of the OTHER states' update norms.
+
+    The update of state k is ``states[k] - bases[k]`` over ``keys`` (default: every key) that are floating and
+    in ``bases[k]`` with the same shape (other keys, integer counters included, are passed on unchanged); its
+    norm is taken in float64 over all those keys together. Where it exceeds ``ratio * median_{j != k}`` (> 0),
+    the state becomes ``base + f * update`` with f = bound / norm, cast back to each key's dtype.
+
+    Args:
+        bases: K states the updates are taken from (what each site was sent), or one state for all.
+        states: K states (what the sites sent back).
+        ratio: the multiple c (0 = no clipping; fewer than 2 states are never clipped).
+        keys: the keys judged and clipped together.
+
+    Returns:
+        ``(states, factors, ratios)``: a state within the bound is the SAME object (so an honest round is
+        unchanged bit for bit), a clipped one a new dict; ``factors[k]`` is f (1.0 where nothing was clipped);
+        ``ratios[k]`` its update norm / the median of the others' (0 where that median is 0 or K < 2).
+    """
+    if ratio < 0:
+        raise ValueError(f"ratio must be >= 0 (0 = no clipping), got {ratio}")
+    bases = [bases] * len(states) if isinstance(bases, Mapping) else list(bases)
+    if len(bases) != len(states):
+        raise ValueError(f"bases/states: {len(bases)} bases but {len(states)} states")
+    out, factors, ratios = list(states), [1.0] * len(states), [0.0] * len(states)
+    if len(states) < 2:
+        return out, factors, ratios
+    judged = [_float_keys(b, s, keys) for b, s in zip(bases, states)]
+    norms = [math.sqrt(sum(float(((s[k].detach().to("cpu", torch.float64)
+                                   - b[k].detach().to("cpu", torch.float64)) ** 2).sum()) for k in ks))
+             for b, s, ks in zip(bases, states, judged)]
+    for i, (base, state, ks) in enumerate(zip(bases, states, judged)):
+        med = _median_of_others(norms, i)
+        ratios[i] = norms[i] / med if med > 0 else 0.0
+        bound = ratio * med
+        if bound <= 0 or norms[i] <= bound:
+            continue
+        f = bound / norms[i]
+        new = dict(state)
+        for key in ks:
+            b = base[key].detach().to("cpu", torch.float64)
+            new[key] = (b + f * (state[key].detach().to("cpu", torch.float64) - b)).to(state[key].dtype)
+        out[i], factors[i] = new, f
+    return out, factors, ratios
 
 
 def update_norms(answers: Mapping[str, State], sent: Mapping[str, State]) -> tuple[dict, dict]:
@@ -241,18 +296,77 @@ def norm_ratios(answers: Mapping[str, State], sent: Mapping[str, State],
     return worst_whole, worst_key, key_name
 
 
+#: torch.optim.Adam's default betas, which the FedSM selector uses (``pflseg.algorithms.fedsm.pooled_adam_step`` and
+#: the sites' selector optimizer)
+ADAM_BETAS = (0.9, 0.999)
+
+
+def adam_ratio(betas: tuple[float, float] = ADAM_BETAS) -> float:
+    """The largest |exp_avg| / sqrt(exp_avg_sq) any sequence of gradients gives Adam (coordinate by coordinate).
+
+    m_t = (1 - b1) sum_j b1^j g_(t-j), v_t = (1 - b2) sum_j b2^j g_(t-j)^2; Cauchy-Schwarz with the weights
+    (b1^2 / b2)^j gives |m_t| <= (1 - b1) / sqrt((1 - b2) (1 - b1^2 / b2)) sqrt(v_t), from zero moments and from
+    any moments that satisfy it; a weighted mean of moments that satisfy it satisfies it (sqrt is concave).
+    About 7.27 for the defaults.
+    """
+    b1, b2 = betas
+    return (1 - b1) / math.sqrt((1 - b2) * (1 - b1 * b1 / b2))
+
+
+#: ``adam_ratio()`` with a margin for float32 rounding: an honest site's moments always satisfy the bound
+ADAM_RATIO = adam_ratio() * (1 + 1e-4)
+
+
+def bound_moments(combined: Mapping[str, torch.Tensor], moments: Sequence[Mapping[str, torch.Tensor]]) -> dict:
+    """The aggregate of K sites' Adam moments, with each ``exp_avg`` coordinate bounded by the sites' own ratios.
+
+    Per coordinate |m| <= r * sqrt(v), with v the aggregate's ``exp_avg_sq`` and r the median over the K sites of
+    |m_k| / sqrt(v_k) (0 where v_k = 0), at most ``ADAM_RATIO``. The ratio m / sqrt(v) is what sets the next
+    Adam step of every site that starts from these moments; one site can no longer make it larger than the
+    honest sites' own ratios (with K >= 3; with K = 2, the larger of the two). A mean of honest moments whose
+    ratios agree is unchanged. Returns a new dict (other keys as they are).
+    """
+    out = dict(combined)
+    for key in combined:
+        if not key.endswith(".exp_avg"):
+            continue
+        sq_key = key[: -len("exp_avg")] + "exp_avg_sq"
+        if sq_key not in combined:
+            continue
+        ratios = []
+        for site in moments:
+            v = site[sq_key].detach().to("cpu", torch.float64).clamp(min=0).sqrt()
+            a = site[key].detach().to("cpu", torch.float64).abs()
+            ratios.append(torch.where(v > 0, a / torch.where(v > 0, v, torch.ones_like(v)), torch.zeros_like(v)))
+        block = torch.stack([r.reshape(-1) for r in ratios])
+        r = combine_rows(block, [1.0] * len(moments), "median").reshape(combined[key].shape).clamp(max=ADAM_RATIO)
+        limit = r * combined[sq_key].detach().to("cpu", torch.float64).clamp(min=0).sqrt()
+        mean = combined[key].detach().to("cpu", torch.float64)
+        out[key] = torch.maximum(torch.minimum(mean, limit), -limit).to(combined[key].dtype)
+    return out
+
+
 def check_moments(moments: Mapping[str, torch.Tensor], sent: Mapping[str, torch.Tensor] | None,
                   max_steps: int) -> str | None:
     """Why a site's selector Adam moments cannot be averaged, or None.
 
     The moments are flat (``"<i>.exp_avg"``, ``"<i>.exp_avg_sq"``, ``"<i>.step"``). Every ``exp_avg_sq`` must
-    be >= 0 (its square root is taken), every ``step`` >= 1 (Adam's bias correction divides by
+    be >= 0 (its square root is taken), every |``exp_avg``| at most ``ADAM_RATIO`` x sqrt(``exp_avg_sq``) (what
+    Adam itself can produce: ``adam_ratio``; a large mean over a zero second moment steers every site's next step
+    otherwise), every ``step`` >= 1 (Adam's bias correction divides by
     1 - beta^step) and at most the step the site was sent (0 if none) plus ``max_steps`` (the steps this round
     can take). Finiteness is checked on arrival.
     """
     for key, value in moments.items():
         if key.endswith(".exp_avg_sq") and (value < 0).any():
             return f"moment '{key}' has a negative entry ({float(value.min()):.3g}): exp_avg_sq must be >= 0"
+    for key, value in moments.items():
+        sq = moments.get(key[: -len("exp_avg")] + "exp_avg_sq") if key.endswith(".exp_avg") else None
+        if sq is not None and tuple(sq.shape) == tuple(value.shape):
+            excess = value.detach().double().abs() - ADAM_RATIO * sq.detach().double().clamp(min=0).sqrt()
+            if (excess > 1e-12).any():
+                return (f"moment '{key}' exceeds {ADAM_RATIO:.3g} x sqrt(exp_avg_sq) (by up to "
+                        f"{float(excess.max()):.3g}): no sequence of gradients gives Adam such moments")
         if key.endswith(".step"):
             step = float(value.reshape(-1)[0]) if value.numel() else float("nan")
             start = float(sent[key].reshape(-1)[0]) if sent and key in sent and sent[key].numel() else 0.0

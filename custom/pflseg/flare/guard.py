@@ -6,9 +6,13 @@ together can; the config section ``robust`` (``app_configs/defaults.yaml``) sets
 
 - ``screen`` (in ``send_each``, after the per-answer checks): a site whose update norm (the whole update, or one
   model tensor it was sent; not optimizer moments, ``NOT_PER_TENSOR``) exceeds ``robust.norm_ratio`` x the median
-  of the other sites' is left out of the round, named in ``missing`` with the reason; then each n_k is capped at
-  ``robust.n_k_ratio`` x the median of the other sites' n_k (the capped value is the site's weight everywhere:
-  aggregation, best-model selection, its first accepted n_k), named in the log and in results.json ``n_k_capped``.
+  of the other sites' is left out of the round, named in ``missing`` with the reason; every other site's update is
+  clipped at ``robust.clip`` x the median of the other sites' update norms (``clip``: before any method weighs it,
+  so one site moves an average by at most its weight x that many honest updates), named in the log and the round's
+  site metrics (``update_clipped``; every site's ``update_ratio``), results.json ``updates_clipped``; then each n_k
+  is capped at ``robust.n_k_ratio`` x the median of the other sites' n_k in the server's table (their first
+  accepted n_k: ``cap_n_k``; the capped value is the site's weight everywhere: aggregation, best-model selection,
+  its first accepted n_k), named in the log and in results.json ``n_k_capped``.
 - ``aggregate`` / ``robust_args``: the aggregation rule of every method that averages (``robust.aggregation``:
   mean | median | trimmed_mean, ``robust.trim``; ``pflseg.algorithms.robust``).
 - ``validation_score``: the best global model is chosen on the sites' validation Dice combined by the same
@@ -30,7 +34,7 @@ import torch
 from nvflare.app_common.abstract.fl_model import FLMetaKey
 
 from pflseg.algorithms.robust import aggregate as robust_aggregate
-from pflseg.algorithms.robust import bounded_weights, combine_rows, first_nonfinite, norm_outliers, norm_ratios
+from pflseg.algorithms.robust import clip_updates, combine_rows, first_nonfinite, norm_outliers, norm_ratios
 
 N_K = FLMetaKey.NUM_STEPS_CURRENT_ROUND
 #: keys not bounded tensor by tensor (the whole update still is): optimizer moments. Honest sites' Adam second
@@ -51,7 +55,7 @@ def aggregate(cfg: dict, states, weights, keys=None) -> dict:
 
 def screen(ctrl, task: str, payloads: dict, usable: dict, reference: dict | None) -> None:
     """Leave out of ``usable`` (in place, ``send_each``'s answers with their ``site_metrics``) the sites whose update
-    is beyond the norm bound; cap the others' n_k (noted in ``usable.site_metrics``)."""
+    is beyond the norm bound; clip the others' updates (``clip``); cap their n_k (``cap_n_k``)."""
     bounds = ctrl.cfg["robust"]
     if reference and len(usable) >= 2 and bounds["norm_ratio"] > 0:
         answers = {s: res.params or {} for s, res in usable.items()}
@@ -64,15 +68,53 @@ def screen(ctrl, task: str, payloads: dict, usable: dict, reference: dict | None
             ctrl.missing[site] = reason
             del usable[site]
             usable.site_metrics.pop(site, None)
+    if reference and len(usable) >= 2:
+        clip(ctrl, task, payloads, usable, bounds["clip"])
+    cap_n_k(ctrl, task, usable, bounds["n_k_ratio"])
+
+
+def clip(ctrl, task: str, payloads: dict, usable: dict, ratio: float) -> None:
+    """Clip each site's update at ``ratio`` (``robust.clip``) x the median of the other sites' update norms, in place,
+    before any method weighs it (``pflseg.algorithms.robust.clip_updates``), part by part: the keys the task sent
+    under one prefix (``global``, FedSM's ``person`` and ``select``, ...) together; not optimizer moments
+    (``NOT_PER_TENSOR``: ``check_moments`` and ``bound_moments`` bound them) and not what the task did not send
+    (statistics, gradients: no update to clip). Every site's largest ratio to the others' median goes into its
+    round metrics (``update_ratio``), a clipped site's also as ``update_clipped``, with a warning."""
+    sites = list(usable)
+    sent = [payloads[s].params or {} for s in sites]
+    groups = sorted({k.split(".", 1)[0] for params in sent for k in params if not k.startswith(NOT_PER_TENSOR)})
+    worst = dict.fromkeys(sites, 0.0)
+    for group in groups:
+        keys = sorted({k for params in sent for k in params if k.startswith(group + ".")})
+        states, factors, ratios = clip_updates(sent, [usable[s].params or {} for s in sites], ratio, keys)
+        for site, state, factor, r in zip(sites, states, factors, ratios):
+            worst[site] = max(worst[site], r)
+            if factor < 1.0:
+                usable[site].params = state
+                usable.site_metrics.setdefault(site, {})["update_clipped"] = round(r, 4)
+                ctrl.warning(f"{task}: site {site}: update of '{group}' clipped from {r:.3g} x to {ratio:g} x the "
+                             "median of the other sites' update norms (robust.clip)")
+    for site in sites:
+        usable.site_metrics.setdefault(site, {})["update_ratio"] = round(worst[site], 4)
+
+
+def cap_n_k(ctrl, task: str, usable: dict, ratio: float) -> None:
+    """Cap each answer's n_k at ``ratio`` (``robust.n_k_ratio``) x the median of the other sites' n_k in the server's
+    table: each site's first accepted n_k (``ctrl.n_first``, checkpointed), else what it declares now. The capped
+    value is its weight everywhere and becomes its first accepted n_k (which its later n_k may not exceed)."""
     weighted = {s: res for s, res in usable.items() if isinstance(res.meta, dict) and res.meta.get(N_K) is not None}
-    if len(weighted) < 2 or bounds["n_k_ratio"] <= 0:
+    if not weighted or ratio <= 0:
         return
-    raw = [res.meta[N_K] for res in weighted.values()]
-    for (site, res), n_k, cap in zip(weighted.items(), raw, bounded_weights(raw, bounds["n_k_ratio"])):
-        if cap < n_k:
+    table = {**{s: res.meta[N_K] for s, res in weighted.items()}, **ctrl.n_first}
+    if len(table) < 2:
+        return
+    for site, res in weighted.items():
+        n_k = res.meta[N_K]
+        cap = ratio * statistics.median(n for s, n in table.items() if s != site)
+        if n_k > cap:
             capped = max(1, math.floor(cap))
             res.meta[N_K] = capped
-            note = f"n_k {n_k} capped to {capped} ({bounds['n_k_ratio']:g} x the median of the other sites' n_k)"
+            note = f"n_k {n_k} capped to {capped} ({ratio:g} x the median of the other sites' n_k)"
             ctrl.warning(f"{task}: site {site}: {note}")
             # in the round's site metrics: the history is checkpointed, so a resumed job still reports it
             usable.site_metrics.setdefault(site, {}).update(n_k_claimed=n_k, n_k_capped=capped)
@@ -120,8 +162,9 @@ def keep_finite(ctrl, r: int, before: dict) -> str | None:
 
 
 def result_notes(ctrl) -> dict:
-    """results.json entries of the guard, only when it acted, both read from the history (checkpointed: a resumed
-    job keeps them): ``aggregates_rejected`` {round: note}, ``n_k_capped`` {site: note of its latest cap}."""
+    """results.json entries of the guard, only when it acted, read from the history (checkpointed: a resumed job
+    keeps them): ``aggregates_rejected`` {round: note}, ``n_k_capped`` {site: note of its latest cap},
+    ``updates_clipped`` {site: how many rounds, the latest}."""
     out = {}
     rejected = {str(h["round"]): h["aggregate_rejected"] for h in ctrl.history if "aggregate_rejected" in h}
     if rejected:
@@ -131,4 +174,12 @@ def result_notes(ctrl) -> dict:
               if isinstance(m, dict) and "n_k_capped" in m}
     if capped:
         out["n_k_capped"] = capped
+    clipped: dict[str, list] = {}
+    for h in ctrl.history:
+        for site, m in (h.get("site_metrics") or {}).items():
+            if isinstance(m, dict) and "update_clipped" in m:
+                clipped.setdefault(site, []).append((h["round"], m["update_clipped"]))
+    if clipped:
+        out["updates_clipped"] = {site: f"{len(rs)} round(s), the latest {rs[-1][0]} from {rs[-1][1]:g} x the others' "
+                                  f"median to {ctrl.cfg['robust']['clip']:g} x" for site, rs in clipped.items()}
     return out

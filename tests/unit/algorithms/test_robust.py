@@ -10,9 +10,12 @@ from pflseg.algorithms.fedsm import average_moments
 from pflseg.algorithms.grace import grace_step
 from pflseg.algorithms.lcfed import average_shared
 from pflseg.algorithms.robust import (
+    adam_ratio,
     aggregate,
+    bound_moments,
     bounded_weights,
     check_moments,
+    clip_updates,
     combine_rows,
     first_nonfinite,
     norm_outliers,
@@ -44,19 +47,62 @@ def test_trim_count():
     assert trim_count(5, 0.0) == 0 and trim_count(9, 0.4) == 4 and trim_count(4, 0.4) == 1
 
 
-def test_trimmed_mean_drops_each_end_and_weights_the_rest():
-    # five sites, trim 0.2: one value dropped at each end of every coordinate
+def test_trimmed_mean_drops_each_end_and_ignores_the_weights():
+    # five sites, trim 0.2: one value dropped at each end of every coordinate, the plain mean of the rest
     states = [s(1.0), s(2.0), s(3.0), s(4.0), s(1e30)]
-    out = aggregate(states, [1, 1, 1, 3, 1], rule="trimmed_mean", trim=0.2)
-    assert out["w"].item() == pytest.approx((2 * 1 + 3 * 1 + 4 * 3) / 5)  # 1 and 1e30 dropped
+    out = aggregate(states, [1, 1, 1, 3e6, 1], rule="trimmed_mean", trim=0.2)
+    assert out["w"].item() == pytest.approx(3.0)  # 1 and 1e30 dropped; site 4's claimed weight counts for nothing
     low = aggregate([s(-1e30), s(2.0), s(3.0), s(4.0), s(5.0)], [1] * 5, rule="trimmed_mean", trim=0.2)
     assert low["w"].item() == pytest.approx(3.0)
 
 
-def test_trimmed_mean_with_trim_0_is_the_weighted_mean():
+def test_trimmed_mean_with_trim_0_is_the_plain_mean():
     block = torch.tensor([[1.0, 2.0], [3.0, 6.0]], dtype=torch.float64)
     assert torch.allclose(combine_rows(block, [1, 3], "trimmed_mean", 0.0),
-                          torch.tensor([2.5, 5.0], dtype=torch.float64))
+                          torch.tensor([2.0, 4.0], dtype=torch.float64))
+
+
+def test_clip_updates_bounds_one_update_and_passes_the_others_on_as_they_came():
+    base = {"w": torch.zeros(2), "n": torch.tensor(5)}
+    states = [{"w": torch.tensor([3.0, 4.0]), "n": torch.tensor(6)},
+              {"w": torch.tensor([0.0, 6.0]), "n": torch.tensor(6)},
+              {"w": torch.tensor([300.0, 400.0]), "n": torch.tensor(10**9)}]
+    out, factors, ratios = clip_updates(base, states, 3.0)
+    assert out[0] is states[0] and out[1] is states[1] and factors[:2] == [1.0, 1.0]
+    # site 3: norm 500, the others' median (5 + 6) / 2 = 5.5, bound 16.5: same direction, that norm
+    assert torch.allclose(out[2]["w"], torch.tensor([300.0, 400.0]) * 16.5 / 500) and factors[2] == pytest.approx(0.033)
+    assert out[2]["n"] is states[2]["n"] and ratios[2] == pytest.approx(500 / 5.5)  # integer keys are not clipped
+    assert states[2]["w"].tolist() == [300.0, 400.0]  # inputs unchanged
+    assert clip_updates(base, states, 0.0)[0] == states  # 0 = no clipping
+    two, f2, _ = clip_updates([base, base], states[1:], 3.0)  # K = 2: each bounded by the other
+    assert f2[0] == 1.0 and float(two[1]["w"].norm()) == pytest.approx(18.0)
+
+
+def test_adam_moments_satisfy_adams_own_bound_and_forged_ones_do_not():
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.zeros(50))
+    opt = torch.optim.Adam([w])
+    for t in range(200):  # growing gradients bring |m| / sqrt(v) closest to the bound
+        w.grad = torch.randn(50) * math.exp(0.05 * t)
+        opt.step()
+    honest = {"0.exp_avg": opt.state[w]["exp_avg"], "0.exp_avg_sq": opt.state[w]["exp_avg_sq"],
+              "0.step": torch.tensor(200.0)}
+    assert check_moments(honest, None, 200) is None
+    assert adam_ratio() == pytest.approx(7.2703, abs=1e-4)
+    forged = {**honest, "0.exp_avg": torch.ones(50), "0.exp_avg_sq": torch.zeros(50)}  # issue 39 F7
+    assert "exceeds 7.27 x sqrt(exp_avg_sq)" in check_moments(forged, None, 200)
+
+
+def test_bound_moments_keeps_the_ratio_within_the_sites_own():
+    sites = [{"0.exp_avg": torch.tensor([1.0, -1.0]), "0.exp_avg_sq": torch.tensor([4.0, 4.0])},  # ratio 0.5
+             {"0.exp_avg": torch.tensor([0.5, -0.5]), "0.exp_avg_sq": torch.tensor([1.0, 1.0])},  # ratio 0.5
+             {"0.exp_avg": torch.tensor([7.0, 7.0]), "0.exp_avg_sq": torch.tensor([1.0, 1.0])}]  # ratio 7
+    mean = average_moments(sites, [1, 1, 10])
+    out = bound_moments(mean, sites)
+    v = mean["0.exp_avg_sq"].sqrt()
+    assert torch.allclose(out["0.exp_avg"].abs(), 0.5 * v) and out["0.exp_avg_sq"] is mean["0.exp_avg_sq"]
+    honest = average_moments(sites[:2], [1, 1])
+    assert torch.equal(bound_moments(honest, sites[:2])["0.exp_avg"], honest["0.exp_avg"])  # within: unchanged
 
 
 def test_integer_keys_are_rounded_back():

@@ -53,13 +53,14 @@ def test_a_1e30_site_with_n_k_1e6_is_left_out_and_cannot_pick_the_best_round(tmp
     out = ctrl.round(0)
     assert list(ctrl.missing) == ["site-3"] and "update norm" in ctrl.missing["site-3"]
     key = key_of(g0)
-    expected = g0[key] * (10 * 1.01 + 120 * 1.02) / 130  # the honest sites' mean
+    # the honest sites' mean; with site-3 out, site-2's n_k 120 is capped at 6 x site-1's (robust.n_k_ratio)
+    expected = g0[key] * (10 * 1.01 + 60 * 1.02) / 70
     assert torch.allclose(ctrl.global_state[key], expected, atol=1e-6)
     assert all(torch.isfinite(v).all() for v in ctrl.global_state.values() if v.is_floating_point())
     assert ctrl.best["score"] == pytest.approx(0.5) and "site-3" not in out.metrics["val_dice"]
 
 
-def test_a_plausible_update_with_n_k_1e6_is_capped_to_100x_the_others_median(tmp_path, monkeypatch):
+def test_a_plausible_update_with_n_k_1e6_is_capped_to_6x_the_others_median(tmp_path, monkeypatch):
     ctrl = make("fedavg", tmp_path, monkeypatch)
     g0 = dict(ctrl.global_state)
 
@@ -71,7 +72,7 @@ def test_a_plausible_update_with_n_k_1e6_is_capped_to_100x_the_others_median(tmp
 
     stub = Stub(ctrl, reply)
     out = ctrl.round(0)
-    cap = 100 * (10 + 120) // 2  # 100 x the median of the other sites' n_k
+    cap = 6 * (10 + 120) // 2  # robust.n_k_ratio x the median of the other sites' n_k
     assert not ctrl.missing and ctrl.n_first["site-3"] == cap
     assert out.site_metrics["site-3"]["n_k_claimed"] == 1_000_000 and out.site_metrics["site-3"]["n_k_capped"] == cap
     key = key_of(g0)
@@ -79,10 +80,10 @@ def test_a_plausible_update_with_n_k_1e6_is_capped_to_100x_the_others_median(tmp
     assert torch.allclose(ctrl.global_state[key], expected, atol=1e-6)
     assert ctrl.best["score"] == pytest.approx((0.2 * 10 + 0.2 * 120 + 1.0 * cap) / (130 + cap))  # bounded weight
     ctrl.history.append({"round": 1, "site_metrics": out.site_metrics})  # as run_rounds keeps (and checkpoints) it
-    assert result_notes(ctrl)["n_k_capped"]["site-3"] == "n_k 1000000 capped to 6500 (round 1)"
+    assert result_notes(ctrl)["n_k_capped"]["site-3"] == "n_k 1000000 capped to 390 (round 1)"
     stub.reply = reply
     ctrl.round(1)  # the same n_k again: above its first accepted (capped) value, so it is left out
-    assert "exceeds its first accepted value 6500" in ctrl.missing["site-3"]
+    assert "exceeds its first accepted value 390" in ctrl.missing["site-3"]
 
 
 def test_median_aggregation_and_selection_ignore_one_site(tmp_path, monkeypatch):
@@ -177,7 +178,7 @@ def test_fedsm_step_beyond_what_the_round_can_take_is_left_out(tmp_path, monkeyp
 def test_fedsm_median_aggregates_global_selector_and_moments(tmp_path, monkeypatch):
     ctrl = make("fedsm", tmp_path, monkeypatch, fedsm=BATCH, robust={"aggregation": "median"})
     base = fedsm_reply(ctrl)
-    value = {"site-1": 0.1, "site-2": 0.2, "site-3": 5.0}
+    value = {"site-1": 0.1, "site-2": 0.2, "site-3": 2.0}  # within Adam's bound 7.27 x sqrt(0.1) = 2.3
 
     def reply(site, data):
         res = base(site, data)
@@ -254,7 +255,107 @@ def test_a_site_refuses_a_non_finite_received_model_naming_the_key(tmp_path):
 @pytest.mark.parametrize("robust, match", [({"aggregation": "mode"}, "robust.aggregation"),
                                            ({"trim": 0.5}, "robust.trim"),
                                            ({"n_k_ratio": 0.5}, "robust.n_k_ratio"),
-                                           ({"norm_ratio": -1.0}, "robust.norm_ratio")])
+                                           ({"norm_ratio": -1.0}, "robust.norm_ratio"),
+                                           ({"clip": 0.5}, "robust.clip")])
 def test_robust_config_is_checked(robust, match):
     with pytest.raises(ConfigError, match=match):
         load_job_config("fedavg", overrides={"robust": robust})
+
+
+def test_an_update_10x_the_others_is_clipped_to_robust_clip_and_named(tmp_path, monkeypatch):
+    ctrl = make("fedavg", tmp_path, monkeypatch)
+    g0 = dict(ctrl.global_state)
+
+    def reply(site, data):  # site-3: 10 x its honest step, far inside the norm bound (100)
+        state = unprefixed("global", data.params)
+        step = 10.0 if site == "site-3" else STEP[site]
+        return FLModel(params=prefixed("global", scaled(state, 1 + 0.01 * step)), metrics={"val_dice": 0.5},
+                       meta={"NUM_STEPS_CURRENT_ROUND": N[site]})
+
+    Stub(ctrl, reply)
+    out = ctrl.round(0)
+    assert not ctrl.missing
+    ratio = 10 / 1.5  # its update over the median of the others' (steps 1 and 2)
+    assert out.site_metrics["site-3"]["update_clipped"] == pytest.approx(ratio, abs=1e-3)
+    assert out.site_metrics["site-1"]["update_ratio"] == pytest.approx(1 / 6, abs=1e-3)
+    assert "update_clipped" not in out.site_metrics["site-1"]
+    key = key_of(g0)  # site-3's update now 3 x 1.5 = 4.5 steps: the same direction, that norm
+    expected = g0[key] * (10 * 1.01 + 120 * 1.02 + 60 * 1.045) / 190
+    assert torch.allclose(ctrl.global_state[key], expected, atol=1e-6)
+    ctrl.history.append({"round": 1, "site_metrics": out.site_metrics})
+    assert result_notes(ctrl)["updates_clipped"] == {"site-3": "1 round(s), the latest 1 from 6.6667 x the others' "
+                                                                 "median to 3 x"}
+
+
+def test_an_honest_round_is_fedavg_bit_for_bit(tmp_path, monkeypatch):
+    from pflseg.algorithms.fedavg import weighted_average
+
+    ctrl = make("fedavg", tmp_path, monkeypatch)
+    g0 = dict(ctrl.global_state)
+    Stub(ctrl, honest)
+    ctrl.round(0)
+    states = [scaled(g0, 1 + 0.01 * STEP[s]) for s in N]
+    plain = weighted_average(states, list(N.values()))
+    assert all(torch.equal(ctrl.global_state[k], plain[k]) for k in plain)
+
+
+def test_n_k_is_capped_against_the_others_first_accepted_n_k(tmp_path, monkeypatch):
+    ctrl = make("fedavg", tmp_path, monkeypatch)
+    ctrl.n_first = {"site-1": 10, "site-2": 120}  # the server's table from earlier rounds
+    Stub(ctrl, lambda site, data: honest(site, data) if site != "site-3" else
+         FLModel(params=honest(site, data).params, metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": 5000}))
+    out = ctrl.round(0)
+    assert out.site_metrics["site-3"]["n_k_capped"] == 6 * 65 and ctrl.n_first["site-3"] == 390
+
+
+def test_fedsm_lda_statistics_for_another_sites_class_are_refused_naming_the_site(tmp_path, monkeypatch):
+    from tests.unit.flare.controllers.conftest import lda_answer
+
+    ctrl = make("fedsm", tmp_path, monkeypatch)
+
+    def reply(site, data):
+        res = lda_answer(ctrl, site, data)
+        if site == "site-3":  # 96 more images claimed for site-1's class (issue 39 F2)
+            res.params["stats.count"][0] += 96.0
+            res.params["stats.sum"][0] += 96.0
+            res.meta["NUM_STEPS_CURRENT_ROUND"] = 100
+        return res
+
+    Stub(ctrl, reply)
+    ctrl.round(0)
+    assert list(ctrl.missing) == ["site-3"]
+    assert "selector statistics of site site-3" in ctrl.missing["site-3"] and "class(es) [0]" in ctrl.missing["site-3"]
+
+
+def test_fedsm_lda_statistics_of_a_capped_site_count_as_its_capped_n_k(tmp_path, monkeypatch):
+    from tests.unit.flare.controllers.conftest import lda_answer
+
+    ctrl = make("fedsm", tmp_path, monkeypatch)
+
+    def reply(site, data):
+        res = lda_answer(ctrl, site, data)
+        if site == "site-3":  # 400 images of its own class: 100 x the others' 4
+            for key in ("stats.count", "stats.sum", "stats.gram"):
+                res.params[key] = res.params[key] * 100
+            res.meta["NUM_STEPS_CURRENT_ROUND"] = 400
+        return res
+
+    Stub(ctrl, reply)
+    ctrl.round(0)
+    assert not ctrl.missing and ctrl.lda_stats["site-3"]["count"][2] == 24.0  # capped at 6 x 4
+
+
+def test_fedsm_moments_beyond_adams_bound_are_left_out(tmp_path, monkeypatch):
+    ctrl = make("fedsm", tmp_path, monkeypatch, fedsm=BATCH)
+    base = fedsm_reply(ctrl)
+
+    def reply(site, data):  # exp_avg = +v, exp_avg_sq = 0: finite and non-negative (issue 39 F7)
+        res = base(site, data)
+        if site == "site-1":
+            res.params.update({k: torch.full_like(v, 5.0) for k, v in res.params.items() if k.endswith(".exp_avg")})
+            res.params.update({k: torch.zeros_like(v) for k, v in res.params.items() if k.endswith(".exp_avg_sq")})
+        return res
+
+    Stub(ctrl, reply)
+    ctrl.round(0)
+    assert list(ctrl.missing) == ["site-1"] and "sqrt(exp_avg_sq)" in ctrl.missing["site-1"]

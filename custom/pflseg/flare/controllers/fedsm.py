@@ -24,6 +24,7 @@ selector.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 from nvflare.app_common.abstract.fl_model import FLMetaKey
@@ -36,14 +37,17 @@ from pflseg.algorithms.fedsm import (
     add_statistics,
     average_moments,
     best_temperature,
+    check_statistics,
     lda_gaussians,
     lda_head,
     pooled_adam_step,
+    scale_statistics,
 )
-from pflseg.algorithms.robust import check_moments
+from pflseg.algorithms.robust import bound_moments, check_moments
 from pflseg.algorithms.softpull import check_lam, softpull
 from pflseg.config import ConfigError, check_choice, check_lr
 from pflseg.flare import guard
+from pflseg.flare.columns import Score, score
 from pflseg.flare.controllers.base import PostTrainingController, RoundController, RoundOutput, is_number
 from pflseg.flare.state import RoundStore
 from pflseg.flare.wire import (
@@ -65,6 +69,7 @@ from pflseg.flare.wire import (
     split_by_site,
     unprefixed,
 )
+from pflseg.markdown import markdown_table
 from pflseg.nets.selector import SELECTOR_DEFAULTS, build_selector, selector_cfg
 
 
@@ -217,10 +222,11 @@ class FedSMController(FedSMSection, RoundController):
         return self.cfg["rounds"] + self.cfg["fedsm"]["extra_rounds"]
 
     def check_result(self, task: str, site: str, res, reference: dict | None) -> str | None:
-        """The base checks; for lda statistics also that they are statistics of the site's n_k images: whole,
-        non-negative class counts summing to n_k, a symmetric Gram matrix with a non-negative diagonal; for the
-        selector's Adam moments (softmax, batch) ``check_moments``: exp_avg_sq >= 0, each step at least the one
-        sent + 1 and at most it + n_k x ``fedsm.selector_epochs`` (one image per step at least)."""
+        """The base checks; for lda statistics also that they are statistics of the site's n_k images
+        (``check_statistics``: whole counts summing to n_k, in FedSM's rounds for the site's own class only, a Gram
+        matrix consistent with the class sums); for the selector's Adam moments (softmax, batch) ``check_moments``:
+        exp_avg_sq >= 0, |exp_avg| within Adam's bound, each step at least the one sent + 1 and at most it + n_k x
+        ``fedsm.selector_epochs`` (one image per step at least)."""
         reason = super().check_result(task, site, res, reference)
         if reason or task not in self.weighted_tasks:
             return reason
@@ -231,14 +237,9 @@ class FedSMController(FedSMSection, RoundController):
             return f"selector moments: {reason}" if reason else None
         if fedsm["selector_fit"] != "lda":
             return None
-        stats = unprefixed(STATS, res.params)
-        count, gram, n_k = stats["count"], stats["gram"], res.meta[FLMetaKey.NUM_STEPS_CURRENT_ROUND]
-        if (count < 0).any() or not torch.equal(count, count.round()) or int(count.sum()) != n_k:
-            return (f"selector statistics: class counts {count.tolist()} are not whole, non-negative and summing to "
-                    f"n_k = {n_k}")
-        if not torch.allclose(gram, gram.T) or (gram.diagonal() < 0).any():
-            return "selector statistics: the Gram matrix is not symmetric with a non-negative diagonal"
-        return None
+        own = self.sites.index(site) if task == "train" and site in self.sites else None  # FedSM: class k = site k
+        reason = check_statistics(unprefixed(STATS, res.params), res.meta[FLMetaKey.NUM_STEPS_CURRENT_ROUND], own)
+        return f"selector statistics of site {site}: {reason}" if reason else None
 
     def selector_payload(self) -> dict:
         """The selector as the sites receive it (with the averaged moments in batch mode)."""
@@ -255,8 +256,12 @@ class FedSMController(FedSMSection, RoundController):
         """The new selector from the sites' answers and the current ``selector``, its Adam ``moments`` and each
         site's latest LDA statistics ``lda_stats`` (see the module docstring). Returns the three, new."""
         fedsm = self.cfg["fedsm"]
-        if fedsm["selector_fit"] == "lda":
-            lda_stats = {**lda_stats, **{s: unprefixed(STATS, res.params) for s, res in results.items()}}
+        if fedsm["selector_fit"] == "lda":  # each site's statistics weighed as its n_k (capped by guard.screen)
+            fresh = {s: unprefixed(STATS, res.params) for s, res in results.items()}
+            fresh = {s: scale_statistics(st, min(1.0, results[s].meta[FLMetaKey.NUM_STEPS_CURRENT_ROUND]
+                                                 / max(float(st["count"].sum()), 1.0)))
+                     for s, st in fresh.items()}
+            lda_stats = {**lda_stats, **fresh}
             weight, bias = lda_head(add_statistics(list(lda_stats.values())), fedsm["lda_shrinkage"])
             return {**selector, "classifier.weight": weight, "classifier.bias": bias}, moments, lda_stats
         if fedsm["selector_steps"] == "epoch":
@@ -268,8 +273,8 @@ class FedSMController(FedSMSection, RoundController):
             return selector, moments, lda_stats
         weights = [res.meta[FLMetaKey.NUM_STEPS_CURRENT_ROUND] for res in results.values()]
         selector = guard.aggregate(self.cfg, [unprefixed(SELECT, res.params) for res in results.values()], weights)
-        moments = average_moments([unprefixed(MOMENT, res.params) for res in results.values()], weights,
-                                  **guard.robust_args(self.cfg))
+        sent = [unprefixed(MOMENT, res.params) for res in results.values()]
+        moments = bound_moments(average_moments(sent, weights, **guard.robust_args(self.cfg)), sent)
         return selector, moments, lda_stats
 
     def softpull_step(self, results: dict, person: dict) -> dict:
@@ -472,3 +477,83 @@ def familiar_report(infer: dict, gamma: float | None) -> dict:
             sites[s] = {"n_fallback": r["fallback"]["n_fallback"], "n_images": r["fallback"]["n_images"],
                         "dice": r["super"].get(key, {}).get("dice"), "dice_nofallback": raw.get("dice")}
     return {"sites": sites}
+
+
+# ---- what the inference job's results give the tables (``pflseg.flare.columns``) ----------------------------------
+def reported_route(results: Mapping) -> str:
+    """The super model the tables report: at the gamma chosen on the inside sites' validation (``choose_gamma``),
+    FedSM-extra's route, else at ``fedsm.gamma``."""
+    if "gamma_selected" in results:
+        return str(float(results["gamma_selected"]))
+    first = next(iter(results["infer"].values()))
+    return "extra" if "extra" in first["super"] else str(float(results["config"]["fedsm"]["gamma"]))
+
+
+def read_super(results: Mapping, site: str) -> Score:
+    """The reported super model's Score at ``site``."""
+    infer = results["infer"][site]
+    return score(infer["super"][reported_route(results)], infer)
+
+
+def read_super_options(results: Mapping, site: str) -> dict[str, Score]:
+    """The super model at every gamma the site scored (``fedsm.gammas``): {"gamma=g": Score}, for a gamma chosen
+    elsewhere (the bench: by leave-one-inside-site-out)."""
+    infer = results["infer"][site]
+    return {f"gamma={g}": score(e, infer) for g, e in infer["super"].items() if g != "extra"}
+
+
+def read_super_at(gamma: float):
+    """A reader of the super model at one fixed ``gamma`` (one of ``fedsm.gammas``)."""
+    def read(results: Mapping, site: str) -> Score:
+        infer = results["infer"][site]
+        if str(float(gamma)) not in infer["super"]:
+            raise ValueError(f"FedSM inference at {site} scored gammas {sorted(infer['super'])}, not {gamma}: add it "
+                             "to fedsm.gammas")
+        return score(infer["super"][str(float(gamma))], infer)
+    return read
+
+
+def read_global(results: Mapping, site: str) -> Score:
+    """The FedSM run's global model (the super model's fallback) at ``site``."""
+    infer = results["infer"][site]
+    return score(infer["global"], infer)
+
+
+def infer_table(results: Mapping) -> str:
+    """FedSM inference job: per site, the global, own personalized (inside sites) and super model Dice at each
+    gamma (the selector's confidence threshold), the gamma chosen on the inside sites' validation named, and a
+    legend."""
+    routes = sorted({r for site in results["infer"].values() for r in site["super"]})
+    chosen = results.get("gamma_selected")
+    rows = []
+    for name, site in sorted(results["infer"].items()):
+        person = site["personalized"]
+        rows.append([f"{name}{'' if site['inside'] else ' (outside)'}", f"{site['global']['dice']:.4f}",
+                     "-" if person is None else f"{person['dice']:.4f}",
+                     *(f"{site['super'][r]['dice']:.4f}" if r in site["super"] else "-" for r in routes)])
+
+    def column(r: str) -> str:
+        if r == "extra":
+            return "super (extra selector)"
+        mark = " (chosen)" if chosen is not None and _same(r, chosen) else ""
+        return f"super, gamma={r}{mark}"
+
+    table = markdown_table(["site", "global", "personalized", *map(column, routes)], rows)
+    inside = results.get("inside_sites")
+    legend = ["", "global: the final global model; personalized: the site's own model (inside sites only); super, "
+              "gamma=g: FedSM's super model, which uses the personalized model the selector picks for an image when "
+              "the selector's confidence is above gamma, else the global model"]
+    if chosen is not None:
+        legend.append(f"gamma chosen on the inside sites' validation: {chosen:g}")
+    if inside:
+        outside = [s for s in sorted(results["infer"]) if s not in inside]
+        legend.append(f"inside sites (trained): {', '.join(inside)}"
+                      + (f"; outside sites (never trained): {', '.join(outside)}" if outside else ""))
+    return "\n".join([table, *legend])
+
+
+def _same(key: str, value: float) -> bool:
+    try:
+        return float(key) == float(value)
+    except ValueError:
+        return False

@@ -37,7 +37,9 @@ def test_fedsm_sends_each_site_only_its_own_personalized_model_and_label(tmp_pat
     for k, (_, site, data) in enumerate(stub.sent):
         assert data.meta["selector_label"] == k
         assert torch.equal(unprefixed("person", data.params)[key], before[site][key])  # its own, nobody else's
-    assert ctrl.moments["0.exp_avg"].flatten()[0].item() == pytest.approx(0.25 * 1 + 0.25 * 1 + 0.5 * 2)
+    assert ctrl.moments["0.exp_avg_sq"].flatten()[0].item() == pytest.approx(0.25 * 1 + 0.25 * 1 + 0.5 * 2)
+    # exp_avg: the same mean 1.5, bounded at the sites' median ratio |m| / sqrt(v) = 1 x sqrt(1.5) (bound_moments)
+    assert ctrl.moments["0.exp_avg"].flatten()[0].item() == pytest.approx(1.5 ** 0.5)
     expected = softpull([before[s] for s in ctrl.sites], ctrl.cfg["fedsm"]["lam"])
     for k, s in enumerate(ctrl.sites):
         assert torch.allclose(ctrl.person[s][key], expected[k][key])
