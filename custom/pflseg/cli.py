@@ -130,7 +130,7 @@ def _bench(args) -> int:
     return 0
 
 
-def _iopfl_loso(args) -> int:
+def _loso(args) -> int:
     from pflseg.eval.bench import run_loso
 
     run_loso(**_bench_options(args))
@@ -364,11 +364,10 @@ def _run_parsers(sub) -> None:
     bp.prepare = _registry_methods
     bp.add_argument("--no-outside", action="store_true", help="inside table only")
 
-    io = sub.add_parser("iopfl", help="IOP-FL protocols").add_subparsers(dest="iopfl_cmd", required=True)
-    lo = io.add_parser("loso", help="leave-one-site-out: train on all sites but one, route at the held-out one "
-                                    "(pflseg bench --methods iopfl)")
-    lo.set_defaults(func=_iopfl_loso)
-    _bench_flags(lo, "runs/iopfl_loso", [0, 1], 10, 5)
+    lo = sub.add_parser("loso", help="leave-one-site-out: every site held out once, the methods the outside claims "
+                                     "need (pflseg bench --holdout all --methods ...)")
+    lo.set_defaults(func=_loso)
+    _bench_flags(lo, "runs/loso", [0, 1, 2], 20, 6)
 
 
 def _fedsm_benchmark_flags(p) -> None:

@@ -102,7 +102,7 @@ def test_every_command_has_its_own_handler_and_every_handler_is_a_few_lines():
     import inspect
 
     handlers = _handlers(build_parser())
-    assert {"run", "bench", "iopfl loso", "report speed", "report iopfl-cost", "data synth", "deploy stop",
+    assert {"run", "bench", "loso", "report speed", "report iopfl-cost", "data synth", "deploy stop",
             "site check"} <= set(handlers)
     long = {name: len(inspect.getsource(f).splitlines()) for name, f in handlers.items()
             if len(inspect.getsource(f).splitlines()) > 10}
@@ -121,7 +121,7 @@ def test_a_shared_flag_is_declared_once_and_means_the_same_everywhere():
 
 @pytest.mark.parametrize("argv, preset", [(["data", "synth", "--out", "x"], None), (["bench"], "bench"),
                                           (["report", "heterogeneity", "--preset", "none"], None),
-                                          (["iopfl", "loso", "--preset", "demo"], "demo")])
+                                          (["loso", "--preset", "demo"], "demo")])
 def test_preset_none_is_the_plain_generator(argv, preset):
     assert build_parser().parse_args(argv).preset == preset
 
@@ -178,15 +178,17 @@ def test_run_passes_its_flags_to_the_run_once(monkeypatch):
                                               "data": None, "size": None, "resume": True, "sets": ["train.lr=0.1"]}
 
 
-def test_iopfl_loso_is_the_bench_of_iopfl_with_every_site_held_out(monkeypatch):
+def test_loso_is_the_bench_of_the_methods_the_outside_claims_need_with_every_site_held_out(monkeypatch):
     import pflseg.eval.bench as bench
 
     calls = []
     monkeypatch.setattr(bench, "run_bench", lambda **kw: calls.append(kw))
-    assert main(["iopfl", "loso", "--seeds", "3"]) == 0
+    assert main(["loso", "--seeds", "3"]) == 0
     assert main(["bench", "--methods", "fedavg", "--holdout", "site-1", "--no-outside"]) == 0
     loso, plain = calls
-    assert loso["methods"] == ["iopfl"] and loso["holdout"] == ["all"] and loso["outside"] and loso["seeds"] == [3]
+    # IOP-FL routing, FedSM's super model and GRACE's global model make outside claims; GRACE's is against FedAvg
+    assert loso["methods"] == ["fedavg", "fedsm", "grace", "iopfl"]
+    assert loso["holdout"] == ["all"] and loso["outside"] and loso["seeds"] == [3]
     assert plain["methods"] == ["fedavg"] and plain["holdout"] == ["site-1"] and not plain["outside"]
 
 

@@ -106,3 +106,35 @@ def test_config_reads_no_methods_section():
             hits += [f"config.py:{node.lineno}: {k.value}" for k in node.keys if isinstance(k, ast.Constant)
                      and isinstance(k.value, str) and k.value.split(".")[0] in METHOD_SECTIONS]
     assert hits == []
+
+
+#: files outside the registry that still name a method or read a method's section or results (issue 40 item 2),
+#: each to go: the method-specific reports (fedsm-benchmark, grace-benchmark, heterogeneity, routing-validation,
+#: speed: their default methods), the POC's and the CLI's default job, config.py's LC-Fed net sizing and
+#: ``iopfl.comparators`` (true / false / a list). The test fails when a file not listed names one, and when a
+#: listed file no longer does (then strike it off).
+NAMING_DEBTS = {"eval/fedsm_benchmark.py", "eval/grace_benchmark.py", "eval/heterogeneity.py", "eval/speed.py",
+                "eval/routing_validation.py", "deploy/poc.py", "cli.py", "config.py"}
+
+
+def test_eval_cli_deploy_and_config_name_no_method_and_no_methods_section():
+    """Every string constant of eval/, cli.py, deploy/ and config.py: no registered method or job name, no method's
+    config section (``"fedsm"``, ``"iopfl.comparators"``), no result key only one method writes (the registry's
+    ``Column`` readers and ``Method.table`` read those: ``pflseg.flare.columns``). "local" is also FLARE's kit folder
+    and a deployment's name, so it is not searched."""
+    from pflseg.config import job_names
+    from pflseg.flare.methods import METHOD_SECTIONS, METHODS
+
+    names = (set(METHODS) | set(job_names()) | set(METHOD_SECTIONS)) - {"local"}
+    result_keys = {"route", "infer", "super", "test_at_gamma", "gamma_selected"}
+    files = [*sorted((PACKAGE / "eval").rglob("*.py")), *sorted((PACKAGE / "deploy").rglob("*.py")),
+             PACKAGE / "cli.py", PACKAGE / "config.py"]
+    hits: dict[str, list[str]] = {}
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and (
+                    node.value in names | result_keys or node.value.split(".")[0] in METHOD_SECTIONS
+                    and "." in node.value and " " not in node.value):
+                hits.setdefault(str(path.relative_to(PACKAGE)), []).append(f"{node.lineno}: {node.value!r}")
+    assert {f: h for f, h in hits.items() if f not in NAMING_DEBTS} == {}
+    assert NAMING_DEBTS - set(hits) == set()

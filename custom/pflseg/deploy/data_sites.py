@@ -1,6 +1,6 @@
 """A data root's own sites as the sites of a run on this machine, and the job settings its dataset.json implies.
 
-``pflseg run``, ``pflseg poc``, ``pflseg deploy local`` and ``pflseg iopfl loso`` with ``--data ROOT`` run
+``pflseg run``, ``pflseg poc``, ``pflseg deploy local`` and ``pflseg loso`` with ``--data ROOT`` run
 on the sites that ROOT's dataset.json lists (``--sites N``: the first N, ``--site-names a,b``: those),
 under their own names. FLARE accepts client names of letters, digits, ``-`` and ``_`` only, so a site
 folder such as ``Hospital A`` runs as the FLARE site ``Hospital_A``: the run then reads its data through a

@@ -15,7 +15,7 @@ like their mix) the inside federation is the other sites and the same runs serve
 A finished (seed, fold, job) run is never run again when its settings are the same: its ``results.json`` is
 read back; a run that was stopped resumes from its last round. "The same" is the run's record
 (``<run dir>/run.json``: its effective config, data, sites and, for a post-training job, the record of the run
-whose bundle it reads; ``pflseg.deploy.simulator.run_record``): an earlier run with another record is moved
+whose bundle it reads; ``pflseg.deploy.workspace.run_record``): an earlier run with another record is moved
 aside to ``<run dir>.<timestamp>`` with a line naming the keys that differ, and the job runs afresh.
 
 Writes ``bench.json``, ``bench_inside.csv``, ``bench_outside.csv``, ``bench.md`` and, with matplotlib,
@@ -42,28 +42,27 @@ from pflseg.deploy.simulator import run_simulator
 from pflseg.deploy.workspace import judge, move_aside, read_record, run_record, server_state, workspace_lock
 from pflseg.eval.plots import reported_val_dice
 from pflseg.eval.progress import RunProgress
+from pflseg.flare.columns import Column, site_test
 from pflseg.flare.jobs import export_job
-from pflseg.flare.methods import METHODS
+from pflseg.flare.methods import BACKBONES, METHODS, OUTSIDE_REFERENCE, REFERENCE, TREATMENTS
 from pflseg.flare.privacy import SALT_FILE
-from pflseg.flare.state import RoundStore, unprefixed
-from pflseg.infer.routing import LABELS as ROUTING_LABELS
+from pflseg.flare.state import RoundStore, private_dir, unprefixed
 from pflseg.markdown import diff_cell, markdown_table
 from pflseg.nets import build_net
 from pflseg.train import evaluate
 
 
-def inside_columns() -> dict[str, tuple]:
-    """Bench method -> the inside table's columns (label, job, key of the site's test metrics, backbone), from the
-    registry (``pflseg.flare.methods.Method.inside``). Every label is compared with the FedAvg of its own backbone
+def inside_columns() -> dict[str, tuple[Column, ...]]:
+    """Bench method -> the inside table's ``Column``s (group: the backbone), from the registry
+    (``pflseg.flare.methods.Method.inside``). Every label is compared with the FedAvg of its own backbone
     (REFERENCE)."""
     return {name: cols for entry in METHODS.values() for name, cols in entry.inside.items()}
 
 
-def outside_columns() -> dict[str, tuple]:
-    """Bench method -> the outside table's columns (label, job, source, normalisation treatment), from the registry
-    (``Method.outside``). Sources: "global" = the job's best global model scored by the bench at the held-out site
-    (running statistics), "super" = FedSM's super model, "route:<m>" = method m of the routing job. A comparison is
-    only ever made within one treatment."""
+def outside_columns() -> dict[str, tuple[Column, ...]]:
+    """Bench method -> the outside table's ``Column``s (group: the normalisation treatment), from the registry
+    (``Method.outside``). A column without a reader is the job's best global model scored by the bench at the
+    held-out site (running statistics). A comparison is only ever made within one treatment."""
     return {name: cols for entry in METHODS.values() for name, cols in entry.outside.items()}
 
 
@@ -78,15 +77,8 @@ def after_jobs() -> dict[str, tuple]:
     return {name: entry.after for name, entry in METHODS.items() if entry.after}
 
 
-BACKBONES = {"unet": "MONAI UNet", "lcnet": "LC-Fed's U-shaped net (no PCS unless LC-Fed)"}
-#: backbone -> the label every inside column of that backbone is paired with
-REFERENCE = {"unet": "FedAvg", "lcnet": "FedAvg (LC-Fed net)"}
-TREATMENTS = {"running": "running statistics (as trained)", "batch": "test-batch statistics"}
-#: outside reference per treatment: the first of these labels present
-OUTSIDE_REFERENCE = ("FedAvg", "FedAvg (IOP-FL run)")
-#: the primary outside comparison, declared before any run: IOP-FL routing against each of these under test-batch
-#: statistics; the paper's claim holds only when every interval lies above 0
-PRIMARY = (ROUTING_LABELS["routing"], ("FedAvg", "Average", "Tent (online)", "Tent from Average (online)"), "batch")
+#: the outside claims of every method, declared before any run (``pflseg.flare.methods.Claim``)
+CLAIMS = [(entry.label, claim) for entry in METHODS.values() for claim in entry.claims]
 
 
 def _stats(values: list[float]) -> dict:
@@ -127,6 +119,24 @@ def paired_difference(values: dict[str, list[float]], reference: dict[str, list[
         lo, hi = slo, shi
     out["verdict"] = "better" if lo > 0 else "worse" if hi < 0 else "tie"
     return out
+
+
+def choose_by_loso(per_site: dict[str, dict[str, float]], h: str, inside: list[str]) -> str | None:
+    """The option with the best mean Dice over the held-out INSIDE sites other than ``h`` (leave-one-inside-site-out:
+    each such site looks to its fold's models as an unseen site does); ties keep the earlier option; None without
+    such a site.
+
+    Args:
+        per_site: held-out site -> option -> Dice (one seed).
+        h: the site the choice is for (its own values are never read).
+        inside: the inside sites (a held-out site among them was scored by the federation trained without it).
+    """
+    others = [g for g in per_site if g != h and g in inside]
+    if not others:
+        return None
+    order = list(per_site[others[0]])
+    means = {o: statistics.mean(per_site[g][o] for g in others) for o in order}
+    return max(order, key=lambda o: (means[o], -order.index(o)))
 
 
 def _seed_means(col: dict[str, list[float]]) -> dict | None:
@@ -185,6 +195,7 @@ class Bench:
         if data is None and preset and "size" not in self.overrides.get("data", {}):
             self.overrides.setdefault("data", {})["size"] = info.get("train_size") or 64
         self.timings: list[dict] = []
+        self.choices: dict = {}
 
     def root(self, seed: int) -> Path:
         """The data root of ``seed``'s runs (made once, on first use, for synthetic data)."""
@@ -209,10 +220,9 @@ class Bench:
 
     def plan(self) -> list[tuple[int, str, str]]:
         """Every (seed, fold, job), each once, training jobs before the post-training jobs that read them."""
-        wanted = [(None, job) for m in self.methods for _, job, _, _ in self.inside_cols[m]]
+        wanted = [(None, col.job) for m in self.methods for col in self.inside_cols[m]]
         if self.outside:
-            wanted += [(h, job) for h in self.holdout for m in self.methods
-                       for _, job, _, _ in self.outside_cols.get(m, ())]
+            wanted += [(h, col.job) for h in self.holdout for m in self.methods for col in self.outside_cols.get(m, ())]
         keys: list[tuple[str, str]] = []
         for h, job in wanted:
             for j in ([self.after[job][0], job] if job in self.after else [job]):
@@ -294,10 +304,10 @@ class Bench:
         """Put the site's one salt (made once, ``<workspace>/salts/<site>``) in a run's site state folder."""
         salt = self.ws / "salts" / site
         if not salt.is_file():
-            salt.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(salt.parent)
             salt.write_text(secrets.token_hex(32))
             salt.chmod(0o600)
-        state_root.mkdir(parents=True, exist_ok=True)
+        private_dir(state_root)
         target = state_root / SALT_FILE
         if not target.is_file():
             shutil.copy2(salt, target)
@@ -323,56 +333,69 @@ class Bench:
         """label -> site -> test Dice per seed (in seed order)."""
         table: dict = {}
         for m in self.methods:
-            for label, job, key, _ in self.inside_cols[m]:
-                col = table.setdefault(label, {})
+            for column in self.inside_cols[m]:
+                col = table.setdefault(column.label, {})
                 for seed in self.seeds:
-                    res, names = self.results(seed, "inside", job), self.names(seed, "inside", job)
-                    values = res["test_at_gamma"] if key == "super" else {s: t[key]["dice"]
-                                                                          for s, t in res["test"].items()}
-                    for sim_site, dice in values.items():
+                    res, names = self.results(seed, "inside", column.job), self.names(seed, "inside", column.job)
+                    for sim_site in res["test"]:
                         if names[sim_site] in self.inside:
-                            col.setdefault(names[sim_site], []).append(dice)
+                            col.setdefault(names[sim_site], []).append(site_test(column, res, sim_site).dice)
         return table
 
     def inside_cases(self) -> dict:
         """site -> {"cases", "images"} of its test split (the same for every method: read from the first run)."""
         for m in self.methods:
-            for _, job, key, _ in self.inside_cols[m]:
-                if key != "super":
-                    res, names = self.results(self.seeds[0], "inside", job), self.names(self.seeds[0], "inside", job)
-                    return {names[s]: {"cases": t[key].get("n_cases"), "images": t[key].get("n_images")}
-                            for s, t in res["test"].items() if names[s] in self.inside}
+            for col in self.inside_cols[m]:
+                if col.read is None:
+                    res = self.results(self.seeds[0], "inside", col.job)
+                    names = self.names(self.seeds[0], "inside", col.job)
+                    return {names[s]: {"cases": sc.cases, "images": sc.images} for s in res["test"]
+                            if names[s] in self.inside and (sc := site_test(col, res, s))}
         return {}
 
     def outside_values(self) -> tuple[dict, dict]:
-        """("label [treatment]" -> held-out site -> Dice per seed (in seed order), site -> {"cases", "images"})."""
+        """("label [treatment]" -> held-out site -> Dice per seed (in seed order), site -> {"cases", "images"}).
+
+        A column whose reader gives options (e.g. FedSM's super model at each gamma) takes, at each held-out site h
+        and seed, the option with the best mean Dice at the OTHER held-out inside sites of that seed (each scored
+        by the federation trained without it: leave-one-inside-site-out), never h's own labels; without another
+        held-out inside site (``--holdout all`` gives them) the column has no value at h. The choices are in
+        ``self.choices``: "label [treatment]" -> h -> option per seed."""
         table: dict = {}
         cases: dict = {}
+        options: dict = {}
         for h in self.holdout:
             fold = self.fold(h)
             for m in self.methods:
-                for label, job, source, treatment in self.outside_cols.get(m, ()):
+                for col in self.outside_cols.get(m, ()):
+                    key = f"{col.label} [{col.group}]"
                     for seed in self.seeds:
-                        dice, n = self.outside_dice(seed, fold, job, source, h)
-                        table.setdefault(f"{label} [{treatment}]", {}).setdefault(h, []).append(dice)
+                        dice, n = self.outside_dice(seed, fold, col, h)
+                        if isinstance(dice, dict):
+                            options.setdefault(key, {}).setdefault(seed, {})[h] = dice
+                            continue
+                        table.setdefault(key, {}).setdefault(h, []).append(dice)
                         if n:
                             cases[h] = n
+        for key, per_seed in options.items():
+            for h in self.holdout:
+                chosen = [choose_by_loso(per_seed[seed], h, self.inside) for seed in self.seeds]
+                if None not in chosen:
+                    self.choices.setdefault(key, {})[h] = chosen
+                    table.setdefault(key, {})[h] = [per_seed[seed][h][c] for seed, c in zip(self.seeds, chosen)]
         return table, cases
 
-    def outside_dice(self, seed: int, fold: str, job: str, source: str, h: str) -> tuple[float, dict | None]:
-        """(Dice of one outside column at ``h``, its {"cases", "images"} when known)."""
-        if source == "global":
-            score = self.global_dice_at(seed, fold, job, h)
+    def outside_dice(self, seed: int, fold: str, col: Column, h: str) -> tuple[float | dict, dict | None]:
+        """(Dice of one outside column at ``h`` (or {option: Dice}), its {"cases", "images"} when known)."""
+        if col.read is None:
+            score = self.global_dice_at(seed, fold, col.job, h)
             return score["dice"], {"cases": score["n_cases"], "images": score["n_images"]}
-        res, names = self.results(seed, fold, job), self.names(seed, fold, job)
+        res, names = self.results(seed, fold, col.job), self.names(seed, fold, col.job)
         sim_h = next(s for s, original in names.items() if original == h)
-        if source == "super":
-            if "test_at_gamma" in res:
-                return res["test_at_gamma"][sim_h], None
-            return res["infer"][sim_h]["super"]["extra"]["dice"], None
-        route = res["route"][sim_h]
-        return route["methods"][source[len("route:"):]]["dice"], {"cases": route["n_cases"],
-                                                                  "images": route["n_images"]}
+        out = col.read(res, sim_h)
+        if isinstance(out, dict):
+            return {option: sc.dice for option, sc in out.items()}, None
+        return out.dice, ({"cases": out.cases, "images": out.images} if out.cases is not None else None)
 
     def global_dice_at(self, seed: int, fold: str, job: str, h: str) -> dict:
         """Scores of ``job``'s final best global model on every labelled image of the held-out site ``h``."""
@@ -394,12 +417,12 @@ class Bench:
         personalized columns, the global model's otherwise."""
         out = {}
         for m in self.methods:
-            for label, job, key, _ in self.inside_cols[m]:
-                if job in self.after or key == "global_adabn":
+            for col in self.inside_cols[m]:
+                if col.job in self.after or col.key == "global_adabn":
                     continue
-                per_seed = [self.curve(seed, job, key) for seed in self.seeds]
+                per_seed = [self.curve(seed, col.job, col.key) for seed in self.seeds]
                 n = min(len(c) for c in per_seed)
-                out[label] = [statistics.mean(c[i] for c in per_seed) for i in range(n)]
+                out[col.label] = [statistics.mean(c[i] for c in per_seed) for i in range(n)]
         return out
 
     def curve(self, seed: int, job: str, key: str) -> list[float]:
@@ -416,7 +439,7 @@ class Bench:
         """job -> site -> optimizer steps per round at that site (mean over rounds, seed 0's run)."""
         out: dict = {}
         for m in self.methods:
-            for _, job, _, _ in self.inside_cols[m]:
+            for job in (col.job for col in self.inside_cols[m]):
                 if job in self.after or job in out:
                     continue
                 names = self.names(self.seeds[0], "inside", job)
@@ -433,9 +456,10 @@ class Bench:
         report = {"data": str(self.data or self.ws / "data"), "preset": None if self.data else self.preset,
                   "inside_sites": self.inside, "holdout": self.holdout, "seeds": self.seeds, "rounds": self.rounds,
                   "overrides": self.overrides, "backbones": BACKBONES, "treatments": TREATMENTS,
-                  "primary": {"method": PRIMARY[0], "against": list(PRIMARY[1]), "treatment": PRIMARY[2]}}
+                  "claims": [{"method": label, "label": c.label, "against": list(c.against), "treatment": c.treatment}
+                             for label, c in CLAIMS]}
         inside = self.inside_values()
-        backbone = {label: bb for m in self.methods for label, _, _, bb in self.inside_cols[m]}
+        backbone = {col.label: col.group for m in self.methods for col in self.inside_cols[m]}
         report["inside"] = {label: {site: _stats(v) for site, v in col.items()} for label, col in inside.items()}
         report["inside_mean"] = {label: m for label, col in inside.items() if col and (m := _seed_means(col))}
         report["inside_backbone"] = backbone
@@ -447,17 +471,18 @@ class Bench:
         report["outside"] = {label: {site: _stats(v) for site, v in col.items()} for label, col in outside.items()}
         report["outside_mean"] = {label: m for label, col in outside.items() if col and (m := _seed_means(col))}
         report["outside_cases"] = cases
+        report["outside_choices"] = self.choices
         report["outside_vs_fedavg"] = {}
         for key, col in outside.items():
             treatment = key.rsplit(" [", 1)[1].rstrip("]")
             ref = next((f"{r} [{treatment}]" for r in OUTSIDE_REFERENCE if f"{r} [{treatment}]" in outside), None)
             if ref and ref != key and (d := paired_difference(col, outside[ref])):
                 report["outside_vs_fedavg"][key] = {**d, "reference": ref}
-        method, against, treatment = PRIMARY
-        if f"{method} [{treatment}]" in outside:
-            report["primary"]["differences"] = {
-                a: paired_difference(outside[f"{method} [{treatment}]"], outside[f"{a} [{treatment}]"])
-                for a in against if f"{a} [{treatment}]" in outside}
+        for claim in report["claims"]:
+            mine = outside.get(f"{claim['label']} [{claim['treatment']}]")
+            if mine:
+                claim["differences"] = {a: paired_difference(mine, outside[f"{a} [{claim['treatment']}]"])
+                                        for a in claim["against"] if f"{a} [{claim['treatment']}]" in outside}
         report |= {"curves": self.curves(), "steps_per_round": self.steps(), "timings": self.timings}
         self.write(report)
         return report
@@ -539,15 +564,20 @@ def to_markdown(report: dict) -> str:
                                      report.get("outside_cases", {}),
                                      lambda k: diffs.get(k, {}).get("reference", "").rsplit(" [", 1)[0],
                                      lambda k: k.rsplit(" [", 1)[0])
-        primary = report.get("primary", {})
-        if primary.get("differences"):
-            verdicts = [d["verdict"] if d else None for d in primary["differences"].values()]
-            verdict = ("cannot be judged: fewer than 2 (seed, site) pairs" if None in verdicts else
-                       "holds on this run" if all(v == "better" for v in verdicts) else "does not hold on this run")
-            parts += ["", f"Primary outside comparison (declared before running): {primary['method']} vs "
-                          f"{', '.join(primary['against'])} under {TREATMENTS[primary['treatment']]}: "
-                          + "; ".join(f"vs {a} {diff_cell(d)}" for a, d in primary["differences"].items())
-                          + f" -> the claim {verdict}."]
+        if report.get("outside_choices"):
+            parts += ["", "Options chosen by leave-one-inside-site-out (at each held-out site, per seed, the option "
+                          "with the best mean Dice at the other held-out inside sites): "
+                      + "; ".join(f"{key.rsplit(' [', 1)[0]} at {h}: {', '.join(map(str, chosen))}"
+                                  for key, sites in report["outside_choices"].items() for h, chosen in sites.items())]
+        for claim in report.get("claims", []):
+            if claim.get("differences"):
+                verdicts = [d["verdict"] if d else None for d in claim["differences"].values()]
+                verdict = ("cannot be judged: fewer than 2 (seed, site) pairs" if None in verdicts else
+                           "holds on this run" if all(v == "better" for v in verdicts) else "does not hold on this run")
+                parts += ["", f"Primary outside comparison (declared before running): {claim['label']} vs "
+                              f"{', '.join(claim['against'])} under {TREATMENTS[claim['treatment']]}: "
+                              + "; ".join(f"vs {a} {diff_cell(d)}" for a, d in claim["differences"].items())
+                              + f" -> the claim {verdict}."]
     if report.get("steps_per_round"):
         sites = report["inside_sites"]
         parts += ["", "Local optimizer steps per round (seed 0, mean over rounds)", "",
@@ -631,11 +661,15 @@ def run_bench(workspace: str | Path, data: str | Path | None = None, synth_sites
     return report
 
 
-#: ``pflseg iopfl loso``: IOP-FL's leave-one-site-out protocol is the bench of IOP-FL alone, every site held out once
-LOSO = {"methods": [name for name, entry in METHODS.items() if entry.loso], "outside": True, "holdout": ["all"]}
+def loso_methods() -> list[str]:
+    """The bench methods the outside claims need (``Method.claims``): those whose outside columns hold a claim's
+    label or one it is compared with."""
+    wanted = {f"{label} [{c.treatment}]" for _, c in CLAIMS for label in (c.label, *c.against)}
+    return [name for name, cols in outside_columns().items()
+            if any(f"{col.label} [{col.group}]" in wanted for col in cols)]
 
 
 def run_loso(holdout: list[str] | None = None, **settings) -> dict:
-    """``pflseg iopfl loso``: ``run_bench`` with ``LOSO``'s methods, the outside table, and ``holdout`` (default:
-    every site once); ``settings``: ``run_bench``'s other arguments."""
-    return run_bench(**{**settings, **LOSO, "holdout": holdout or LOSO["holdout"]})
+    """``pflseg loso``: ``run_bench`` with the methods the outside claims need (``loso_methods``), the outside table,
+    and ``holdout`` (default: every site once); ``settings``: ``run_bench``'s other arguments."""
+    return run_bench(**{**settings, "methods": loso_methods(), "outside": True, "holdout": holdout or ["all"]})

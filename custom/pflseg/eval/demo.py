@@ -33,37 +33,39 @@ from pathlib import Path
 
 from pflseg.deploy.simulator import run_side_by_side
 from pflseg.deploy.workspace import workspace_lock
-from pflseg.eval.bench import PRIMARY, Bench, paired_difference
+from pflseg.eval.bench import CLAIMS, Bench, paired_difference
 from pflseg.eval.plots import PLOTS_HINT, have_matplotlib, overlay_paths, plot_lines, write_results
-from pflseg.flare.methods import METHODS
+from pflseg.flare.columns import site_test
+from pflseg.flare.methods import METHODS, TREATMENTS
+from pflseg.flare.state import private_dir
 from pflseg.markdown import diff_cell, markdown_table
 
 PRESET = "demo"
-#: inside rows: (label, job, key of the site's test metrics, backbone), every method's ``Method.demo_inside`` in the
+#: inside rows (``pflseg.flare.columns.Column``, group: the backbone), every method's ``Method.demo_inside`` in the
 #: registry's order; the reference row is "FedAvg"; a row on another backbone than the UNet is marked in the table
 INSIDE = [row for entry in METHODS.values() for row in entry.demo_inside]
-#: outside rows: (label, job, method of the routing job or "super", treatment), every ``Method.demo_outside``
+#: outside rows (group: the normalisation treatment), every ``Method.demo_outside``
 OUTSIDE = [row for entry in METHODS.values() for row in entry.demo_outside]
 #: post-training job -> the training job whose bundle it reads (``Method.after``)
 AFTER = {name: entry.after[0] for name, entry in METHODS.items() if entry.after}
 #: the rows' jobs: training jobs, then the post-training jobs that read their bundles; two run side by side
-JOBS = tuple(dict.fromkeys([job for _, job, *_ in INSIDE + OUTSIDE if job not in AFTER]
-                           + [job for _, job, *_ in INSIDE + OUTSIDE if job in AFTER]))
+JOBS = tuple(dict.fromkeys([row.job for row in INSIDE + OUTSIDE if row.job not in AFTER]
+                           + [row.job for row in INSIDE + OUTSIDE if row.job in AFTER]))
 #: the same for every job: lr 0.003 with Dice + cross-entropy and 3 local epochs make the U-Net segment within
-#: a few rounds; per-case Dice (pseudonymised) leaves the sites so that differences can be paired by case
+#: a few rounds; per-case Dice (pseudonymised) leaves the sites so that differences can be paired by case; and each
+#: method's own ``Method.demo_settings``
 SETTINGS = {"train": {"lr": 0.003, "loss": "dice_ce", "epochs": 3},
-            "iopfl": {"epochs": 3, "comparators": ["global", "average", "ensemble", "global_bn", "average_bn",
-                                                   "ensemble_bn", "tent"]},
+            **{k: v for entry in METHODS.values() for k, v in entry.demo_settings.items()},
             "privacy": {"per_case": True}}
 #: LC-Fed's five-stage backbone, narrowed (its calibration applies every site's head: the demo's slowest job): the net
 #: of every job of a row on that backbone
 LCFED_NET = {"channels": [8, 16, 32, 64, 128]}
 #: rounds: FedAvg's mean validation Dice is flat over the last rounds (docs/benchmark.md: the demo)
 ROUNDS = 16
-OTHER_BACKBONE = tuple(label for label, _, _, backbone in INSIDE if backbone != "unet")
+OTHER_BACKBONE = tuple(row.label for row in INSIDE if row.group != "unet")
 #: the job of the inside reference row ("FedAvg"): its validation curve is the demo's plateau
-REFERENCE_JOB = next(job for label, job, _, _ in INSIDE if label == "FedAvg")
-TREATMENTS = {"running": "running statistics (as trained)", "batch": "test-batch statistics"}
+REFERENCE_ROW = next(row for row in INSIDE if row.label == "FedAvg")
+REFERENCE_JOB = REFERENCE_ROW.job
 BENCH_HINT = ("One seed and three small synthetic sites: a guide to what each method is for, not evidence. The "
               "papers' protocols (5 sites, 64 px, seeds x sites, every baseline and control): `pflseg bench`.")
 
@@ -79,7 +81,7 @@ class Demo:
     def __init__(self, workspace, rounds: int = ROUNDS, threads: int | None = None, progress=print):
         self.bench = Bench(workspace, methods=[], seeds=[0], rounds=rounds, overrides=SETTINGS, threads=threads,
                            progress=progress, preset=PRESET, salts=True,
-                           per_job={job: {"net": LCFED_NET} for _, job, _, backbone in INSIDE if backbone != "unet"})
+                           per_job={row.job: {"net": LCFED_NET} for row in INSIDE if row.group != "unet"})
         self.ws, self.rounds, self.progress = self.bench.ws, rounds, progress
         self.inside, self.outside = self.bench.inside, self.bench.holdout
 
@@ -104,29 +106,25 @@ class Demo:
 
         return run_side_by_side({name: job(name) for name in JOBS}, after=AFTER)
 
-    def per_case(self, results: dict, job: str, key: str, sites: list[str], treatment: str | None = None) -> dict:
+    def scores(self, results: dict, row, sites: list[str]) -> dict:
+        """data-root site -> the row's Score there (``pflseg.flare.columns``), at ``sites``."""
+        res, names = results[row.job], self.bench.names(0, "inside", row.job)
+        return {site: site_test(row, res, sim) for sim, site in names.items() if site in sites}
+
+    def per_case(self, results: dict, row, sites: list[str]) -> dict:
         """{"site/case": Dice} of one row at ``sites`` (data-root names)."""
-        res, names = results[job], self.bench.names(0, "inside", job)
         out = {}
-        for sim, site in names.items():
-            if site not in sites:
-                continue
-            if "route" in res:  # the routing job: one entry per routing method
-                entry = res["route"][sim]["methods"][key]
-            elif key == "super":  # at the gamma chosen on the inside sites' validation
-                entry = res["infer"][sim]["super"][str(float(res.get("gamma_selected",
-                                                                     res["config"]["fedsm"]["gamma"])))]
-            else:
-                entry = res["test"][sim][key]
-            if "per_case" not in entry:
-                raise ValueError(f"{job}: no per-case Dice for {site} ({key}); the demo needs privacy.per_case: true")
-            out.update(_case_means(entry["per_case"], site))
+        for site, score in self.scores(results, row, sites).items():
+            if score.per_case is None:
+                raise ValueError(f"{row.job}: no per-case Dice for {site} ({row.key}); the demo needs "
+                                 "privacy.per_case: true")
+            out.update(_case_means(score.per_case, site))
         return out
 
     def tables(self, results: dict) -> dict:
-        inside = {label: self.per_case(results, job, key, self.inside) for label, job, key, _ in INSIDE}
-        outside = {f"{label} [{tr}]": self.per_case(results, job, key, self.outside)
-                   for label, job, key, tr in OUTSIDE if job in results}
+        inside = {row.label: self.per_case(results, row, self.inside) for row in INSIDE}
+        outside = {f"{row.label} [{row.group}]": self.per_case(results, row, self.outside)
+                   for row in OUTSIDE if row.job in results}
         report = {"inside_sites": self.inside, "outside_sites": self.outside, "rounds": self.rounds,
                   "cases": {s: len([k for k in inside["FedAvg"] if k.startswith(s + "/")]) for s in self.inside},
                   "outside_cases": {s: len([k for k in outside["FedAvg [running]"] if k.startswith(s + "/")])
@@ -136,21 +134,22 @@ class Demo:
         for tr in TREATMENTS:
             rows = {k.rsplit(" [", 1)[0]: v for k, v in outside.items() if k.endswith(f"[{tr}]")}
             report["outside"][tr] = summarise(rows, self.outside)
-        method, against, treatment = PRIMARY
-        rows = {k.rsplit(" [", 1)[0]: v for k, v in outside.items() if k.endswith(f"[{treatment}]")}
-        report["primary"] = {a: paired_difference({k: [v] for k, v in rows[method].items()},
-                                                  {k: [v] for k, v in rows[a].items()})
-                             for a in against if method in rows and a in rows}
+        report["claims"] = []
+        for method, claim in CLAIMS:
+            rows = {k.rsplit(" [", 1)[0]: v for k, v in outside.items() if k.endswith(f"[{claim.treatment}]")}
+            report["claims"].append({"method": method, "label": claim.label, "against": list(claim.against),
+                                     "treatment": claim.treatment, "differences": {
+                                         a: paired_difference({k: [v] for k, v in rows[claim.label].items()},
+                                                              {k: [v] for k, v in rows[a].items()})
+                                         for a in claim.against if claim.label in rows and a in rows}})
         return report
 
     def images(self, results: dict) -> dict:
-        """site -> test images: the inside sites' from the reference run, the outside sites' from the routing run."""
-        res, names = results[REFERENCE_JOB], self.bench.names(0, "inside", REFERENCE_JOB)
-        out = {names[s]: t["global"].get("n_images") for s, t in res["test"].items()}
-        job = next(job for job, r in results.items() if "route" in r)
-        route, names = results[job], self.bench.names(0, "inside", job)
-        out.update({names[s]: r["n_images"] for s, r in route["route"].items()})
-        return out
+        """site -> test images: the inside sites' from the reference row, the outside sites' from the outside
+        reference row."""
+        out = {s: sc.images for s, sc in self.scores(results, REFERENCE_ROW, self.inside).items()}
+        ref = next(row for row in OUTSIDE if row.label == "FedAvg" and row.job in results)
+        return out | {s: sc.images for s, sc in self.scores(results, ref, self.outside).items()}
 
     def plateau(self, results: dict) -> dict:
         """FedAvg's (the reference run's global model's) mean validation Dice per round."""
@@ -226,7 +225,7 @@ def run_demo(workspace: str | Path = "demo", rounds: int = ROUNDS, threads: int 
 
 def write(demo: Demo, results: dict, report: dict, ws: Path, t0: float) -> str:
     out = ws / "results"
-    out.mkdir(parents=True, exist_ok=True)
+    private_dir(out)
     flat = report["plateau"]
     inside_md = markdown(report["inside"], demo.inside, report["cases"], report["images"],
                          lambda label: " (own net)" if label in OTHER_BACKBONE else "")
@@ -250,21 +249,22 @@ def write(demo: Demo, results: dict, report: dict, ws: Path, t0: float) -> str:
         outside += ["", f"**Normalisation: {title}**", "",
                     markdown(report["outside"][tr], demo.outside, report["outside_cases"], report["images"]), "",
                     *sentences(report["outside"][tr], f"Outside ({title})")]
-    method, against, treatment = PRIMARY
-    primary = report["primary"]
-    if primary:
-        verdicts = {d["verdict"] if d else None for d in primary.values()}
-        verdict = ("holds on this run" if verdicts == {"better"} else "cannot be judged (too few pairs)"
-                   if None in verdicts else "does not hold on this run")
-        outside += ["", f"IOP-FL's outside claim ({method} beats {', '.join(against)} under {TREATMENTS[treatment]}): "
-                    + "; ".join(f"vs {a} {diff_cell(d)}" for a, d in primary.items()) + f" -> the claim {verdict}."]
+    for claim in report["claims"]:
+        diffs = claim["differences"]
+        if diffs:
+            verdicts = {d["verdict"] if d else None for d in diffs.values()}
+            verdict = ("holds on this run" if verdicts == {"better"} else "cannot be judged (too few pairs)"
+                       if None in verdicts else "does not hold on this run")
+            outside += ["", f"{claim['method']}'s outside claim ({claim['label']} beats {', '.join(claim['against'])} "
+                            f"under {TREATMENTS[claim['treatment']]}): "
+                        + "; ".join(f"vs {a} {diff_cell(d)}" for a, d in diffs.items()) + f" -> the claim {verdict}."]
     (out / "outside.md").write_text("\n".join(outside) + "\n")
     text += outside + ["", BENCH_HINT]
     written = [out / "inside.md", out / "inside.csv", out / "outside.md"]
     lines = []
     if have_matplotlib():
-        curves = {label: [(i + 1, v) for i, v in enumerate(demo.bench.curve(0, job, key))]
-                  for label, job, key, _ in INSIDE if key != "global_adabn"}
+        curves = {row.label: [(i + 1, v) for i, v in enumerate(demo.bench.curve(0, row.job, row.key))]
+                  for row in INSIDE if row.key != "global_adabn"}
         written.append(plot_lines(curves, out / "val_dice.png", "validation Dice per round (mean over sites)"))
     else:
         lines.append(PLOTS_HINT)

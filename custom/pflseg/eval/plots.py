@@ -13,7 +13,9 @@ import csv
 import json
 from pathlib import Path
 
-from pflseg.eval.tables import METRIC_COLUMNS, infer_table, metric_rows, metric_table, route_table
+from pflseg.eval.tables import METRIC_COLUMNS, metric_rows, metric_table
+from pflseg.flare.methods import METHODS
+from pflseg.flare.state import private_dir
 
 PLOTS_HINT = 'no plots: matplotlib is not installed (pip install "pflseg[plots]", or -e ".[plots]" in a checkout)'
 
@@ -105,7 +107,7 @@ def plot_lines(curves: dict[str, list[tuple[int, float]]], path: str | Path, tit
         ax.legend(fontsize="small")
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     fig.savefig(path)
     plt.close(fig)
     return path
@@ -126,11 +128,12 @@ def write_results(results: dict, workspace: str | Path) -> list[str]:
     """Write ``<workspace>/results/`` (see the module docstring); return the lines to print."""
     workspace = Path(workspace)
     out = workspace / "results"
-    out.mkdir(parents=True, exist_ok=True)
+    private_dir(out)
     job = results.get("job", "job")
     lines, written = [], []
-    if "route" in results or "infer" in results:  # post-training jobs: their table, predictions at the sites
-        (out / f"{job}.md").write_text((route_table if "route" in results else infer_table)(results) + "\n")
+    entry = METHODS.get(results.get("method"))
+    if entry is not None and entry.table is not None:  # post-training jobs: their table, predictions at the sites
+        (out / f"{job}.md").write_text(entry.table(results) + "\n")
         written.append(out / f"{job}.md")
         for folder in sorted((workspace / "state").glob(f"*/{job}/predictions")):
             lines.append(f"predictions at {folder.parent.parent.name}: {folder}")

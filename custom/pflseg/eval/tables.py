@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 from pflseg.flare.methods import METHODS
-from pflseg.infer.routing import LABELS as ROUTE_LABELS
-from pflseg.infer.routing import METHODS as ROUTE_METHODS
-from pflseg.infer.routing import NORM as ROUTE_NORM
 from pflseg.markdown import markdown_table
 
 
@@ -121,99 +118,14 @@ def tiny_note(results: dict) -> str | None:
             "--rounds 20 without --size), or `pflseg demo`")
 
 
-def infer_table(results: dict) -> str:
-    """FedSM inference job: per site, the global, own personalized (inside sites) and super model Dice at each
-    gamma (the selector's confidence threshold), the gamma chosen on the inside sites' validation named, and a
-    legend."""
-    routes = sorted({r for site in results["infer"].values() for r in site["super"]})
-    chosen = results.get("gamma_selected")
-    rows = []
-    for name, site in sorted(results["infer"].items()):
-        person = site["personalized"]
-        rows.append([f"{name}{'' if site['inside'] else ' (outside)'}", f"{site['global']['dice']:.4f}",
-                     "-" if person is None else f"{person['dice']:.4f}",
-                     *(f"{site['super'][r]['dice']:.4f}" if r in site["super"] else "-" for r in routes)])
-
-    def column(r: str) -> str:
-        if r == "extra":
-            return "super (extra selector)"
-        mark = " (chosen)" if chosen is not None and _same(r, chosen) else ""
-        return f"super, gamma={r}{mark}"
-
-    table = markdown_table(["site", "global", "personalized", *map(column, routes)], rows)
-    inside = results.get("inside_sites")
-    legend = ["", "global: the final global model; personalized: the site's own model (inside sites only); super, "
-              "gamma=g: FedSM's super model, which uses the personalized model the selector picks for an image when "
-              "the selector's confidence is above gamma, else the global model"]
-    if chosen is not None:
-        legend.append(f"gamma chosen on the inside sites' validation: {chosen:g}")
-    if inside:
-        outside = [s for s in sorted(results["infer"]) if s not in inside]
-        legend.append(f"inside sites (trained): {', '.join(inside)}"
-                      + (f"; outside sites (never trained): {', '.join(outside)}" if outside else ""))
-    return "\n".join([table, *legend])
-
-
-def _same(key: str, value: float) -> bool:
-    try:
-        return float(key) == float(value)
-    except ValueError:
-        return False
-
-
-#: the routing job's comparators (``pflseg.infer.routing.NORM``) in the table's words; the routing variants are
-#: ``pflseg.infer.routing.LABELS``. key -> (label, what it is)
-ROUTE_COMPARATORS = {
-    "global": ("Global", "the global model w_g as trained (FedAvg's)"),
-    "global_bn": ("Global, test-batch BN", "w_g with the test batch's normalisation statistics"),
-    "average": ("Average", "the weight average of the experts (P_1..P_K and w_g)"),
-    "average_bn": ("Average, test-batch BN", "the weight average with test-batch statistics: the routed models' "
-                                             "starting point"),
-    "ensemble": ("Ensemble", "the mean of the experts' probabilities"),
-    "ensemble_bn": ("Ensemble, test-batch BN", "the mean of the experts' probabilities, test-batch statistics"),
-    "tent": ("Tent", "online Tent on w_g: one pass, the norm layers' affine parameters adapted"),
-    "tent_epochs": ("Tent, routing's budget", "Tent for the routing step budget, per image its lowest-entropy "
-                                              "prediction"),
-    "tent_average": ("Tent from Average", "Tent started from the Average"),
-    "routing_global": (None, "one coefficient per expert for the whole model (the paper's Global ablation)"),
-    "routing_layer": (None, "one coefficient vector per layer, shared by the images"),
-    "routing": (None, "the routed model: per-image, per-layer routers (iopfl.router)"),
-    "routing_final": (None, "the routed model at the end of its run"),
-}
-_NORM_WORDS = {"running": "training's running statistics", "batch": "test-batch statistics"}
-
-
-def route_label(key: str) -> str:
-    """A routing job's column in words: the routing variants' ``LABELS``, the comparators' ``ROUTE_COMPARATORS``."""
-    return ROUTE_LABELS.get(key) or (ROUTE_COMPARATORS.get(key, (None, ""))[0] or key)
-
-
-def route_table(results: dict) -> str:
-    """Markdown: one row per routed (outside) site, one column per method (test Dice), from the routing job's
-    results.json; a line naming the outside and the inside sites above it, a legend of the columns under it."""
-    rows = results["route"]
-    methods = [m for m in ROUTE_METHODS if all(m in r["methods"] for r in rows.values())]
-    table = markdown_table(["outside site", *map(route_label, methods), "routing s/sample/epoch"], [
-        [site, *(f"{r['methods'][m]['dice']:.4f}" if r["methods"][m]["dice"] is not None else "-" for m in methods),
-         f"{r['seconds_per_sample']:.4f}"] for site, r in sorted(rows.items())])
-    inside = results.get("inside_sites")
-    head = (f"Test Dice at the outside site(s) {', '.join(sorted(rows))} (never trained: the models were routed "
-            "there, unlabeled)" + (f"; experts: P_k of the inside sites {', '.join(inside)} and the global model "
-                                    "w_g" if inside else ""))
-    legend = [f"- {route_label(m)}: {ROUTE_COMPARATORS.get(m, (None, ''))[1] or m}"
-              + (f" [{_NORM_WORDS[ROUTE_NORM[m]]}]" if ROUTE_NORM.get(m) in _NORM_WORDS else "") for m in methods]
-    return "\n".join([head, "", table, "", *legend])
-
-
 def run_tables(results: dict, job: str) -> list[str]:
     """What ``pflseg run`` prints for job ``job``'s results.json: a post-training job's own table (its results'
-    ``report``: the Markdown the job wrote for itself, e.g. the cross-site matrix; ``route``: the outside sites'
-    routing table; ``infer``: FedSM inference), else the per-site Dice table and the timing line."""
+    ``report``: the Markdown the job wrote for itself, e.g. the cross-site matrix; else the method's own table of
+    its results, ``Method.table``), else the per-site Dice table and the timing line."""
     if "report" in results:
         return [results["report"]["markdown"]]
-    if "route" in results:
-        return [route_table(results)]
-    if "infer" in results:
-        return [infer_table(results)]
+    entry = METHODS.get(results.get("method"))
+    if entry is not None and entry.table is not None:
+        return [entry.table(results)]
     note = tiny_note(results)
     return [dice_table({job: results}), timing_summary(results), *([note] if note else [])]

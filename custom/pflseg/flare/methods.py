@@ -10,19 +10,28 @@ the common keys only). tests/unit/flare/test_new_method.py adds one at test time
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 from pflseg.config import ConfigError
+from pflseg.flare.columns import Column
 from pflseg.flare.controllers.centralized import CentralizedController
 from pflseg.flare.controllers.cross_site import CrossSiteController
 from pflseg.flare.controllers.fedavg import FedAvgController
 from pflseg.flare.controllers.fedbn import FedBNController
 from pflseg.flare.controllers.fedprox import FedProxController
-from pflseg.flare.controllers.fedsm import FedSMController, FedSMInferenceController
+from pflseg.flare.controllers.fedsm import (
+    FedSMController,
+    FedSMInferenceController,
+    infer_table,
+    read_global,
+    read_super,
+    read_super_at,
+    read_super_options,
+)
 from pflseg.flare.controllers.ft import FTController
 from pflseg.flare.controllers.grace import GraceController
-from pflseg.flare.controllers.iopfl import IOPFLController, IOPFLRoutingController
+from pflseg.flare.controllers.iopfl import IOPFLController, IOPFLRoutingController, read_route, route_table
 from pflseg.flare.controllers.lcfed import FedRepController, LCFedController
 from pflseg.flare.controllers.local import LocalController
 from pflseg.flare.sites.base import Site
@@ -39,6 +48,24 @@ from pflseg.flare.sites.lcfed import FedRepSite, LCFedSite
 from pflseg.flare.sites.local import LocalSite
 from pflseg.infer.routing import LABELS as ROUTING_LABELS
 
+#: backbones of the inside table -> their words; each backbone's reference column (every inside column of that
+#: backbone is paired with it)
+BACKBONES = {"unet": "MONAI UNet", "lcnet": "LC-Fed's U-shaped net (no PCS unless LC-Fed)"}
+REFERENCE = {"unet": "FedAvg", "lcnet": "FedAvg (LC-Fed net)"}
+#: normalisation treatments of the outside table; a comparison is only ever made within one
+TREATMENTS = {"running": "running statistics (as trained)", "batch": "test-batch statistics"}
+#: outside reference per treatment: the first of these labels present
+OUTSIDE_REFERENCE = ("FedAvg", "FedAvg (IOP-FL run)")
+
+
+class Claim(NamedTuple):
+    """An outside claim, declared before any run: ``label`` beats each of ``against`` under ``treatment``; it holds
+    only when every interval lies above 0."""
+
+    label: str
+    against: tuple[str, ...]
+    treatment: str
+
 
 class Method(NamedTuple):
     """Everything that describes one method; the runners, the bench, the demo, the tables and the CLI read it."""
@@ -51,103 +78,120 @@ class Method(NamedTuple):
     #: its name in the result tables (``pflseg run``); None: the job's name
     label: str | None = None
     #: ``pflseg bench --methods`` names this method serves (its own name: a default of the bench; others: runs of it
-    #: under another job config, e.g. ``grace_server``) -> the inside table's columns: (label, job, key of the site's
-    #: test metrics, backbone); key "super" is FedSM's super model. Every label is compared with the FedAvg of its own
-    #: backbone (``pflseg.eval.bench.REFERENCE``).
-    inside: Mapping[str, tuple] = {}
-    #: the same names -> the outside table's columns: (label, job, source, normalisation treatment); sources: see
-    #: ``pflseg.eval.bench.Bench.outside_dice``
-    outside: Mapping[str, tuple] = {}
+    #: under another job config, e.g. ``grace_server``) -> the inside table's ``Column``s (group: the backbone). Every
+    #: label is compared with the FedAvg of its own backbone (``REFERENCE``).
+    inside: Mapping[str, tuple[Column, ...]] = {}
+    #: the same names -> the outside table's ``Column``s (group: the normalisation treatment)
+    outside: Mapping[str, tuple[Column, ...]] = {}
     #: a post-training method: (the training job whose models it uses, the config section whose ``bundle`` key takes
     #: that job's bundle, more keys of that section)
     after: tuple[str, str, Mapping] | None = None
-    #: rows of ``pflseg demo``'s inside table: (label, job, key of the site's test metrics, backbone), and of its
-    #: outside tables: (label, job, method of the routing job or "super", treatment); the demo's order is the registry's
-    demo_inside: tuple = ()
-    demo_outside: tuple = ()
-    #: run by ``pflseg iopfl loso`` (every site held out once, the outside table)
-    loso: bool = False
+    #: rows of ``pflseg demo``'s inside and outside tables (``Column``s); the demo's order is the registry's
+    demo_inside: tuple[Column, ...] = ()
+    demo_outside: tuple[Column, ...] = ()
+    #: the outside claims this method's paper makes (``Claim``), judged by the bench and the demo
+    claims: tuple[Claim, ...] = ()
+    #: config overrides of the demo's jobs of this method (merged into the demo's common settings)
+    demo_settings: Mapping = {}
+    #: a post-training job's own Markdown table of its results.json (``pflseg run``)
+    table: Callable[[Mapping], str] | None = None
+
+
+C = Column
+SUPER_LOSO, SUPER_0 = "FedSM super (gamma by leave-one-site-out)", "FedSM super (gamma = 0)"
+#: routing job columns: label, method of the routing job (``pflseg.infer.routing.METHODS``), treatment
+_ROUTE = (("FedAvg (IOP-FL run)", "global", "running"), ("FedAvg", "global_bn", "batch"),
+          ("Average", "average", "running"), ("Average", "average_bn", "batch"),
+          ("Ensemble", "ensemble", "running"), ("Ensemble", "ensemble_bn", "batch"),
+          ("Tent (online)", "tent", "batch"), ("Tent (10 epochs, min-entropy)", "tent_epochs", "batch"),
+          ("Tent from Average (online)", "tent_average", "batch"),
+          *((ROUTING_LABELS[m], m, "batch") for m in ("routing_global", "routing_layer", "routing", "routing_final")))
+
+
+def _routed(label: str, method: str, treatment: str) -> Column:
+    return C(label, "iopfl_route", method, treatment, read_route(method))
 
 
 #: the order is the tables' row order
 METHODS: dict[str, Method] = {
     "local": Method(LocalController, LocalSite, label="Local",
-                    inside={"local": (("Local", "local", "site", "unet"),)}),
+                    inside={"local": (C("Local", "local", "site", "unet"),)}),
     "fedavg": Method(
         FedAvgController, FedAvgSite, label="FedAvg",
-        inside={"fedavg": (("FedAvg", "fedavg", "global", "unet"),
-                           ("FedAvg + AdaBN", "fedavg", "global_adabn", "unet"))},
-        outside={"fedavg": (("FedAvg", "fedavg", "global", "running"),)},
+        inside={"fedavg": (C("FedAvg", "fedavg", "global", "unet"),
+                           C("FedAvg + AdaBN", "fedavg", "global_adabn", "unet"))},
+        outside={"fedavg": (C("FedAvg", "fedavg", "global", "running"),)},
         # the demo's FedAvg is the IOP-FL run's global model (bit for bit a FedAvg run at the same seed)
-        demo_inside=(("FedAvg", "iopfl", "global", "unet"), ("FedAvg + AdaBN", "iopfl", "global_adabn", "unet")),
-        demo_outside=(("FedAvg", "iopfl_route", "global", "running"), ("FedAvg", "iopfl_route", "global_bn", "batch"))),
+        demo_inside=(C("FedAvg", "iopfl", "global", "unet"), C("FedAvg + AdaBN", "iopfl", "global_adabn", "unet")),
+        demo_outside=(_routed("FedAvg", "global", "running"), _routed("FedAvg", "global_bn", "batch"))),
     "fedprox": Method(FedProxController, FedProxSite, ("fedprox",), label="FedProx",
-                      inside={"fedprox": (("FedProx", "fedprox", "global", "unet"),)}),
-    "fedbn": Method(FedBNController, FedBNSite, label="FedBN", inside={"fedbn": (("FedBN", "fedbn", "site", "unet"),)},
-                    demo_inside=(("FedBN", "fedbn", "site", "unet"),)),
+                      inside={"fedprox": (C("FedProx", "fedprox", "global", "unet"),)}),
+    "fedbn": Method(FedBNController, FedBNSite, label="FedBN",
+                    inside={"fedbn": (C("FedBN", "fedbn", "site", "unet"),)},
+                    demo_inside=(C("FedBN", "fedbn", "site", "unet"),)),
     "ft": Method(FTController, FTSite, ("ft",), label="FT",
-                 inside={"ft": (("FedAvg (LC-Fed net)", "ft", "global", "lcnet"), ("FT", "ft", "site", "lcnet"))}),
+                 inside={"ft": (C("FedAvg (LC-Fed net)", "ft", "global", "lcnet"), C("FT", "ft", "site", "lcnet"))}),
     "fedrep": Method(FedRepController, FedRepSite, ("lcfed",), label="FedRep",
-                     inside={"fedrep": (("FedRep", "fedrep", "site", "lcnet"),)}),
+                     inside={"fedrep": (C("FedRep", "fedrep", "site", "lcnet"),)}),
     "fedsm": Method(
         FedSMController, FedSMSite, ("fedsm",), label="FedSM",
-        inside={"fedsm": (("FedSM personalized", "fedsm", "site", "unet"),
-                          ("FedSM super", "fedsm_infer", "super", "unet"))},
-        outside={"fedsm": (("FedSM super", "fedsm_infer", "super", "running"),)},
-        demo_inside=(("FedSM personalized", "fedsm", "site", "unet"),)),
+        inside={"fedsm": (C("FedSM personalized", "fedsm", "site", "unet"),
+                          C("FedSM super", "fedsm_infer", "super", "unet", read_super))},
+        # super: gamma chosen on the inside sites' validation (0 as a rule: their own models are best there); the
+        # paper's outside claim is a gamma chosen without the unseen site's labels against gamma 0 and the global model
+        outside={"fedsm": (C("FedSM super", "fedsm_infer", "super", "running", read_super),
+                           C(SUPER_LOSO, "fedsm_infer", "super_loso", "running", read_super_options),
+                           C(SUPER_0, "fedsm_infer", "super_0", "running", read_super_at(0.0)),
+                           C("FedSM global", "fedsm_infer", "global", "running", read_global))},
+        demo_inside=(C("FedSM personalized", "fedsm", "site", "unet"),),
+        claims=(Claim(SUPER_LOSO, (SUPER_0, "FedSM global"), "running"),)),
     "grace": Method(
         GraceController, GraceSite, ("grace",), label="GRACE",
-        inside={"grace": (("GRACE global", "grace", "global", "unet"), ("GRACE personalized", "grace", "site", "unet")),
-                "grace_server": (("GRACE server-only global", "grace_server", "global", "unet"),),
-                "grace_client": (("GRACE client-only personalized", "grace_client", "site", "unet"),),
-                "grace_refcode": (("GRACE ref-code weights global", "grace_refcode", "global", "unet"),
-                                  ("GRACE ref-code weights personalized", "grace_refcode", "site", "unet"))},
-        outside={"grace": (("GRACE global", "grace", "global", "running"),),
-                 "grace_server": (("GRACE server-only global", "grace_server", "global", "running"),),
-                 "grace_client": (("GRACE client-only global", "grace_client", "global", "running"),),
-                 "grace_refcode": (("GRACE ref-code weights global", "grace_refcode", "global", "running"),)},
-        demo_inside=(("GRACE global", "grace", "global", "unet"), ("GRACE personalized", "grace", "site", "unet"))),
+        inside={"grace": (C("GRACE global", "grace", "global", "unet"),
+                          C("GRACE personalized", "grace", "site", "unet")),
+                "grace_server": (C("GRACE server-only global", "grace_server", "global", "unet"),),
+                "grace_client": (C("GRACE client-only personalized", "grace_client", "site", "unet"),),
+                "grace_refcode": (C("GRACE ref-code weights global", "grace_refcode", "global", "unet"),
+                                  C("GRACE ref-code weights personalized", "grace_refcode", "site", "unet"))},
+        outside={"grace": (C("GRACE global", "grace", "global", "running"),),
+                 "grace_server": (C("GRACE server-only global", "grace_server", "global", "running"),),
+                 "grace_client": (C("GRACE client-only global", "grace_client", "global", "running"),),
+                 "grace_refcode": (C("GRACE ref-code weights global", "grace_refcode", "global", "running"),)},
+        demo_inside=(C("GRACE global", "grace", "global", "unet"), C("GRACE personalized", "grace", "site", "unet")),
+        claims=(Claim("GRACE global", ("FedAvg",), "running"),)),
     "iopfl": Method(
-        IOPFLController, IOPFLSite, ("iopfl",), label="IOP-FL", loso=True,
-        inside={"iopfl": (("IOP-FL global", "iopfl", "global", "unet"), ("IOP-FL P_k", "iopfl", "site", "unet"))},
-        # "route:<m>": method m of the routing job, which scores its static comparators under both treatments in the
-        # very batches routing and Tent adapt on (the IOP-FL run's global model is FedAvg's, bit for bit, at one seed)
-        outside={"iopfl": (("FedAvg (IOP-FL run)", "iopfl_route", "route:global", "running"),
-                           ("FedAvg", "iopfl_route", "route:global_bn", "batch"),
-                           ("Average", "iopfl_route", "route:average", "running"),
-                           ("Average", "iopfl_route", "route:average_bn", "batch"),
-                           ("Ensemble", "iopfl_route", "route:ensemble", "running"),
-                           ("Ensemble", "iopfl_route", "route:ensemble_bn", "batch"),
-                           ("Tent (online)", "iopfl_route", "route:tent", "batch"),
-                           ("Tent (10 epochs, min-entropy)", "iopfl_route", "route:tent_epochs", "batch"),
-                           ("Tent from Average (online)", "iopfl_route", "route:tent_average", "batch"),
-                           (ROUTING_LABELS["routing_global"], "iopfl_route", "route:routing_global", "batch"),
-                           (ROUTING_LABELS["routing_layer"], "iopfl_route", "route:routing_layer", "batch"),
-                           (ROUTING_LABELS["routing"], "iopfl_route", "route:routing", "batch"),
-                           (ROUTING_LABELS["routing_final"], "iopfl_route", "route:routing_final", "batch"))},
-        demo_inside=(("IOP-FL P_k", "iopfl", "site", "unet"),)),
+        IOPFLController, IOPFLSite, ("iopfl",), label="IOP-FL",
+        inside={"iopfl": (C("IOP-FL global", "iopfl", "global", "unet"), C("IOP-FL P_k", "iopfl", "site", "unet"))},
+        # the routing job scores its static comparators under both treatments in the very batches routing and Tent
+        # adapt on (the IOP-FL run's global model is FedAvg's, bit for bit, at one seed)
+        outside={"iopfl": tuple(_routed(*row) for row in _ROUTE)},
+        demo_inside=(C("IOP-FL P_k", "iopfl", "site", "unet"),),
+        claims=(Claim(ROUTING_LABELS["routing"], ("FedAvg", "Average", "Tent (online)", "Tent from Average (online)"),
+                      "batch"),),
+        demo_settings={"iopfl": {"epochs": 3, "comparators": ["global", "average", "ensemble", "global_bn",
+                                                              "average_bn", "ensemble_bn", "tent"]}}),
     # the routing job reaches every site outside the bundle: no targets
     "iopfl_route": Method(
         IOPFLRoutingController, IOPFLRoutingSite, ("iopfl",), after=("iopfl", "iopfl", {"targets": []}),
-        demo_outside=(("Average", "iopfl_route", "average", "running"),
-                      ("Ensemble", "iopfl_route", "ensemble", "running"),
-                      ("Average", "iopfl_route", "average_bn", "batch"),
-                      ("Ensemble", "iopfl_route", "ensemble_bn", "batch"),
-                      ("Tent (online)", "iopfl_route", "tent", "batch"),
-                      ("Tent from Average (online)", "iopfl_route", "tent_average", "batch"),
-                      (ROUTING_LABELS["routing"], "iopfl_route", "routing", "batch"))),
+        table=route_table,
+        demo_outside=(_routed("Average", "average", "running"), _routed("Ensemble", "ensemble", "running"),
+                      _routed("Average", "average_bn", "batch"), _routed("Ensemble", "ensemble_bn", "batch"),
+                      _routed("Tent (online)", "tent", "batch"),
+                      _routed("Tent from Average (online)", "tent_average", "batch"),
+                      _routed(ROUTING_LABELS["routing"], "routing", "batch"))),
     "fedsm_infer": Method(FedSMInferenceController, FedSMInferenceSite, ("fedsm",), after=("fedsm", "fedsm", {}),
-                          demo_outside=(("FedSM super", "fedsm_infer", "super", "running"),)),
+                          table=infer_table,
+                          demo_outside=(C("FedSM super", "fedsm_infer", "super", "running", read_super),)),
     "lcfed": Method(
         LCFedController, LCFedSite, ("lcfed",), label="LC-Fed",
-        inside={"lcfed": (("LC-Fed w/o HC", "lcfed_nohc", "site", "lcnet"), ("LC-Fed", "lcfed", "site", "lcnet")),
-                "lcfed_hczero": (("LC-Fed, HC on a zero map", "lcfed_hczero", "site", "lcnet"),),
-                "lcfed_hcself": (("LC-Fed, HC on its own p(1-p)", "lcfed_hcself", "site", "lcnet"),)},
-        demo_inside=(("LC-Fed", "lcfed", "site", "lcnet"),)),
+        inside={"lcfed": (C("LC-Fed w/o HC", "lcfed_nohc", "site", "lcnet"), C("LC-Fed", "lcfed", "site", "lcnet")),
+                "lcfed_hczero": (C("LC-Fed, HC on a zero map", "lcfed_hczero", "site", "lcnet"),),
+                "lcfed_hcself": (C("LC-Fed, HC on its own p(1-p)", "lcfed_hcself", "site", "lcnet"),)},
+        demo_inside=(C("LC-Fed", "lcfed", "site", "lcnet"),)),
     "centralized": Method(
         CentralizedController, CentralizedSite, label="Centralized",
-        inside={"centralized": (("Centralized", "centralized", "global", "unet"),
-                                ("Centralized (LC-Fed net)", "centralized_lcnet", "global", "lcnet"))}),
+        inside={"centralized": (C("Centralized", "centralized", "global", "unet"),
+                                C("Centralized (LC-Fed net)", "centralized_lcnet", "global", "lcnet"))}),
     # every final model of a training run at every site (any training job: cross_site.bundle; FedAvg's by default)
     "cross_site": Method(CrossSiteController, CrossSiteSite, ("cross_site",), after=("fedavg", "cross_site", {})),
 }
@@ -160,7 +204,7 @@ METHOD_SECTIONS = frozenset(s for entry in METHODS.values() for s in entry.secti
 def own_config(cfg: Mapping) -> dict:
     """``cfg`` without the sections of every OTHER method (an unregistered method: all of ``cfg``, as it is):
     what an exported job carries (``pflseg.flare.jobs.build_job``) and what decides a run's identity
-    (``pflseg.deploy.simulator.run_record``). Nothing is lost: no method reads another's section, and the server's and
+    (``pflseg.deploy.workspace.run_record``). Nothing is lost: no method reads another's section, and the server's and
     the site's ``pflseg.config.check_effective`` merge the received config into defaults.yaml again."""
     entry = METHODS.get(cfg.get("method"))
     drop = METHOD_SECTIONS - set(entry.sections) if entry else frozenset()

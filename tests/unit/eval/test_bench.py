@@ -1,6 +1,6 @@
 from pflseg.data import make_synthetic
 from pflseg.eval.bench import Bench, _seed_means, paired_difference, to_markdown
-from pflseg.eval.tables import route_table
+from pflseg.flare.controllers.iopfl import route_table
 
 
 def test_plan_runs_each_job_once_and_training_before_post_training(tmp_path):
@@ -49,15 +49,15 @@ def test_tables():
               "outside": {"FedAvg [batch]": {"site-2": stat}, "IOP-FL routing [batch]": {"site-2": stat}},
               "outside_vs_fedavg": {
                   "IOP-FL routing [batch]": {**diff, "verdict": "tie", "reference": "FedAvg [batch]"}},
-              "primary": {"method": "IOP-FL routing", "against": ["FedAvg"], "treatment": "batch",
-                          "differences": {"FedAvg": {**diff, "verdict": "tie"}}}}
+              "claims": [{"method": "IOP-FL", "label": "IOP-FL routing", "against": ["FedAvg"], "treatment": "batch",
+                          "differences": {"FedAvg": {**diff, "verdict": "tie"}}}]}
     md = to_markdown(report)
     assert "| method | site-1 (5 cases, 40 img) | mean |" in md
     assert "| Local | 0.500 ± 0.100 | **-** | +0.020 [+0.010, +0.030] **+** | FedAvg |" in md
     assert "**Normalisation: test-batch statistics**" in md and "running statistics" not in md.split("Outside")[1]
     assert "| IOP-FL routing | 0.500 ± 0.100 | **-** | +0.020 [+0.010, +0.030] | FedAvg |" in md
     assert "the claim does not hold on this run" in md
-    report["primary"]["differences"]["FedAvg"] = None  # one seed at one outside site: no interval
+    report["claims"][0]["differences"]["FedAvg"] = None  # one seed at one outside site: no interval
     report["inside"]["Local"]["site-1"] = {"mean": 0.5, "std": 0.0, "n": 1}
     md = to_markdown(report)
     assert "the claim cannot be judged: fewer than 2 (seed, site) pairs" in md
@@ -156,3 +156,35 @@ def test_the_verdict_follows_the_interval_over_seeds_not_the_seed_x_site_pairs()
     assert d["seeds"]["n"] == 3 and d["seeds"]["lo"] < 0 < d["seeds"]["hi"] and d["verdict"] == "tie"
     one_seed = paired_difference({k: v[:1] for k, v in values.items()}, {k: v[:1] for k, v in reference.items()})
     assert "seeds" not in one_seed and one_seed["verdict"] == "better"
+
+
+def test_an_option_is_chosen_at_the_other_held_out_inside_sites_never_at_the_judged_one():
+    from pflseg.eval.bench import choose_by_loso
+
+    per_site = {"site-1": {"gamma=0.0": 0.5, "gamma=0.9": 0.7},  # held out from the federation of site-2, site-3
+                "site-2": {"gamma=0.0": 0.6, "gamma=0.9": 0.7},
+                "site-6": {"gamma=0.0": 0.9, "gamma=0.9": 0.1}}  # the judged outside site: its values never count
+    inside = ["site-1", "site-2", "site-3"]
+    assert choose_by_loso(per_site, "site-6", inside) == "gamma=0.9"
+    assert choose_by_loso(per_site, "site-1", inside) == "gamma=0.9"  # from site-2 alone
+    per_site["site-6"] = {"gamma=0.0": 0.0, "gamma=0.9": 1.0}
+    assert choose_by_loso(per_site, "site-6", inside) == "gamma=0.9"
+    per_site["site-1"] = {"gamma=0.0": 0.25, "gamma=0.9": 0.5}
+    per_site["site-2"] = {"gamma=0.0": 0.75, "gamma=0.9": 0.5}  # a tie at the mean keeps the earlier option
+    assert choose_by_loso(per_site, "site-6", inside) == "gamma=0.0"
+    assert choose_by_loso({"site-6": {"a": 1.0}}, "site-6", inside) is None  # no held-out inside site: no choice
+
+
+def test_fedsm_s_outside_claim_reads_the_super_model_at_every_gamma_at_zero_and_its_global_model():
+    from pflseg.flare.methods import METHODS
+
+    infer = {"n_cases": 3, "n_images": 24, "global": {"dice": 0.4},
+             "super": {"0.0": {"dice": 0.3}, "0.9": {"dice": 0.5}, "1.0": {"dice": 0.4}}}
+    results = {"infer": {"site-6": infer}, "gamma_selected": 0.0}
+    cols = {c.label: c for c in METHODS["fedsm"].outside["fedsm"]}
+    claim = METHODS["fedsm"].claims[0]
+    assert {claim.label, *claim.against} <= set(cols)
+    options = cols[claim.label].read(results, "site-6")
+    assert {k: v.dice for k, v in options.items()} == {"gamma=0.0": 0.3, "gamma=0.9": 0.5, "gamma=1.0": 0.4}
+    assert [cols[a].read(results, "site-6").dice for a in claim.against] == [0.3, 0.4]
+    assert cols["FedSM super"].read(results, "site-6") == (0.3, None, 3, 24)

@@ -7,7 +7,8 @@ import pytest
 
 from pflseg.data import load_dataset_info
 from pflseg.eval import demo
-from pflseg.eval.bench import PRIMARY
+from pflseg.eval.bench import CLAIMS
+from pflseg.flare.columns import Column
 from pflseg.infer.routing import NORM
 
 
@@ -30,11 +31,14 @@ def test_the_demo_data_is_the_bench_preset_scaled_down_with_enough_cases_at_ever
 
 
 def test_every_outside_comparison_is_made_within_one_normalisation_treatment():
-    for label, job, key, treatment in demo.OUTSIDE:
-        assert treatment == (NORM[key] if job == "iopfl_route" else "running"), label
-    method, against, treatment = PRIMARY
-    rows = {label for label, _, _, tr in demo.OUTSIDE if tr == treatment}
-    assert {method, *against} <= rows and "FedAvg" in {label for label, _, _, tr in demo.OUTSIDE if tr == "running"}
+    for row in demo.OUTSIDE:
+        assert row.group == NORM.get(row.key, "running"), row.label
+    for _, claim in CLAIMS:
+        rows = {row.label for row in demo.OUTSIDE if row.group == claim.treatment}
+        if claim.label in rows:
+            assert set(claim.against) <= rows
+    assert any(claim.label in {row.label for row in demo.OUTSIDE} for _, claim in CLAIMS)
+    assert "FedAvg" in {row.label for row in demo.OUTSIDE if row.group == "running"}
 
 
 def _results(ws, per_site_cases):
@@ -54,7 +58,7 @@ def test_differences_are_paired_by_case_and_the_sentences_follow_the_intervals(d
     cases = {"site-1": {f"c{i}": (0.5, 0.6 + 0.01 * i) for i in range(5)},  # FedBN +0.10..+0.14: better
              "site-2": {f"c{i}": (0.7, 0.7 + (0.02 if i % 2 else -0.02)) for i in range(5)}}  # a tie at site-2
     results = _results(d.ws, cases)
-    rows = {label: d.per_case(results, job, key, ["site-1", "site-2"])
+    rows = {label: d.per_case(results, Column(label, job, key, "unet"), ["site-1", "site-2"])
             for label, job, key in (("FedAvg", "iopfl", "global"), ("FedBN", "fedbn", "site"))}
     assert rows["FedBN"]["site-1/c4"] == pytest.approx(0.64) and len(rows["FedAvg"]) == 10
     table = demo.summarise(rows, ["site-1", "site-2"])
@@ -75,4 +79,4 @@ def test_a_run_without_per_case_dice_is_refused_naming_the_key(d):
     results = _results(d.ws, {"site-1": {"c0": (0.5, 0.6)}})
     del results["fedbn"]["test"]["site-1"]["site"]["per_case"]
     with pytest.raises(ValueError, match="privacy.per_case"):
-        d.per_case(results, "fedbn", "site", ["site-1"])
+        d.per_case(results, Column("FedBN", "fedbn", "site", "unet"), ["site-1"])

@@ -1,4 +1,4 @@
-from pflseg.eval.tables import infer_table
+from pflseg.flare.controllers.fedsm import infer_table
 
 
 def test_infer_table_lists_every_site_and_gamma():
@@ -19,16 +19,17 @@ def test_infer_table_lists_every_site_and_gamma():
 def test_the_routing_variants_have_one_name_in_every_table():
     """Before: "IOP-FL (Global)" and "Routing per-layer (ours)" in the bench, `routing_global` / `routing_layer`
     in `pflseg run`'s table, "IOP-FL routing" in the demo."""
-    from pflseg.eval.bench import PRIMARY
+    from pflseg.eval.bench import CLAIMS
     from pflseg.eval.demo import OUTSIDE
-    from pflseg.eval.tables import route_table
+    from pflseg.flare.controllers.iopfl import route_table
     from pflseg.flare.methods import METHODS
     from pflseg.infer.routing import LABELS
 
-    bench = {source.split(":", 1)[1]: label for rows in METHODS["iopfl"].outside.values()
-             for label, _, source, _ in rows if source.startswith("route:routing")}
-    demo = {method: label for label, _, method, _ in OUTSIDE if method.startswith("routing")}
-    assert bench == LABELS and demo == {"routing": LABELS["routing"]} and PRIMARY[0] == LABELS["routing"]
+    bench = {col.key: col.label for rows in METHODS["iopfl"].outside.values() for col in rows
+             if col.key.startswith("routing")}
+    demo = {row.key: row.label for row in OUTSIDE if row.key.startswith("routing")}
+    assert bench == LABELS and demo == {"routing": LABELS["routing"]}
+    assert LABELS["routing"] in {claim.label for _, claim in CLAIMS}
     methods = {m: {"dice": 0.5} for m in LABELS}
     text = route_table({"route": {"site-4": {"methods": methods, "seconds_per_sample": 0.1}}})
     head = next(line for line in text.splitlines() if line.startswith("| outside site |"))
@@ -47,7 +48,7 @@ def test_metric_columns_carry_hd95_beside_assd():
 
 def test_the_routing_table_has_labels_a_legend_and_names_the_outside_site():
     """Before: raw keys (global_bn, average_bn, tent_epochs) beside labels, no legend, the outside site unnamed."""
-    from pflseg.eval.tables import route_table
+    from pflseg.flare.controllers.iopfl import route_table
 
     methods = {m: {"dice": 0.5} for m in ("global", "global_bn", "average_bn", "tent_epochs", "routing")}
     text = route_table({"route": {"site-4": {"methods": methods, "seconds_per_sample": 0.1}},

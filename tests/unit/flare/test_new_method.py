@@ -24,6 +24,7 @@ from pflseg.eval import bench as bench_module
 from pflseg.eval.bench import Bench, default_methods, inside_columns, outside_columns
 from pflseg.eval.tables import dice_table, label
 from pflseg.flare.allowlist import pflseg_classes
+from pflseg.flare.columns import Column
 from pflseg.flare.controllers.fedavg import FedAvgController
 from pflseg.flare.methods import METHODS, Method, method
 from pflseg.flare.sites.fedavg import FedAvgSite
@@ -69,8 +70,8 @@ class FedAvgMSite(FedAvgSite):
 
 # ---- its line in flare/methods.py -------------------------------------------------------------------------------
 FEDAVGM = Method(FedAvgMController, FedAvgMSite, ("fedavgm",), label="FedAvgM",
-                 inside={"fedavgm": (("FedAvgM", "fedavgm", "global", "unet"),)},
-                 outside={"fedavgm": (("FedAvgM", "fedavgm", "global", "running"),)})
+                 inside={"fedavgm": (Column("FedAvgM", "fedavgm", "global", "unet"),)},
+                 outside={"fedavgm": (Column("FedAvgM", "fedavgm", "global", "running"),)})
 
 
 @pytest.fixture

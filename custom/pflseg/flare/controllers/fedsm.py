@@ -24,6 +24,7 @@ selector.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 from nvflare.app_common.abstract.fl_model import FLMetaKey
@@ -46,6 +47,7 @@ from pflseg.algorithms.robust import bound_moments, check_moments
 from pflseg.algorithms.softpull import check_lam, softpull
 from pflseg.config import ConfigError, check_choice, check_lr
 from pflseg.flare import guard
+from pflseg.flare.columns import Score, score
 from pflseg.flare.controllers.base import PostTrainingController, RoundController, RoundOutput, is_number
 from pflseg.flare.state import RoundStore
 from pflseg.flare.wire import (
@@ -67,6 +69,7 @@ from pflseg.flare.wire import (
     split_by_site,
     unprefixed,
 )
+from pflseg.markdown import markdown_table
 from pflseg.nets.selector import SELECTOR_DEFAULTS, build_selector, selector_cfg
 
 
@@ -474,3 +477,83 @@ def familiar_report(infer: dict, gamma: float | None) -> dict:
             sites[s] = {"n_fallback": r["fallback"]["n_fallback"], "n_images": r["fallback"]["n_images"],
                         "dice": r["super"].get(key, {}).get("dice"), "dice_nofallback": raw.get("dice")}
     return {"sites": sites}
+
+
+# ---- what the inference job's results give the tables (``pflseg.flare.columns``) ----------------------------------
+def reported_route(results: Mapping) -> str:
+    """The super model the tables report: at the gamma chosen on the inside sites' validation (``choose_gamma``),
+    FedSM-extra's route, else at ``fedsm.gamma``."""
+    if "gamma_selected" in results:
+        return str(float(results["gamma_selected"]))
+    first = next(iter(results["infer"].values()))
+    return "extra" if "extra" in first["super"] else str(float(results["config"]["fedsm"]["gamma"]))
+
+
+def read_super(results: Mapping, site: str) -> Score:
+    """The reported super model's Score at ``site``."""
+    infer = results["infer"][site]
+    return score(infer["super"][reported_route(results)], infer)
+
+
+def read_super_options(results: Mapping, site: str) -> dict[str, Score]:
+    """The super model at every gamma the site scored (``fedsm.gammas``): {"gamma=g": Score}, for a gamma chosen
+    elsewhere (the bench: by leave-one-inside-site-out)."""
+    infer = results["infer"][site]
+    return {f"gamma={g}": score(e, infer) for g, e in infer["super"].items() if g != "extra"}
+
+
+def read_super_at(gamma: float):
+    """A reader of the super model at one fixed ``gamma`` (one of ``fedsm.gammas``)."""
+    def read(results: Mapping, site: str) -> Score:
+        infer = results["infer"][site]
+        if str(float(gamma)) not in infer["super"]:
+            raise ValueError(f"FedSM inference at {site} scored gammas {sorted(infer['super'])}, not {gamma}: add it "
+                             "to fedsm.gammas")
+        return score(infer["super"][str(float(gamma))], infer)
+    return read
+
+
+def read_global(results: Mapping, site: str) -> Score:
+    """The FedSM run's global model (the super model's fallback) at ``site``."""
+    infer = results["infer"][site]
+    return score(infer["global"], infer)
+
+
+def infer_table(results: Mapping) -> str:
+    """FedSM inference job: per site, the global, own personalized (inside sites) and super model Dice at each
+    gamma (the selector's confidence threshold), the gamma chosen on the inside sites' validation named, and a
+    legend."""
+    routes = sorted({r for site in results["infer"].values() for r in site["super"]})
+    chosen = results.get("gamma_selected")
+    rows = []
+    for name, site in sorted(results["infer"].items()):
+        person = site["personalized"]
+        rows.append([f"{name}{'' if site['inside'] else ' (outside)'}", f"{site['global']['dice']:.4f}",
+                     "-" if person is None else f"{person['dice']:.4f}",
+                     *(f"{site['super'][r]['dice']:.4f}" if r in site["super"] else "-" for r in routes)])
+
+    def column(r: str) -> str:
+        if r == "extra":
+            return "super (extra selector)"
+        mark = " (chosen)" if chosen is not None and _same(r, chosen) else ""
+        return f"super, gamma={r}{mark}"
+
+    table = markdown_table(["site", "global", "personalized", *map(column, routes)], rows)
+    inside = results.get("inside_sites")
+    legend = ["", "global: the final global model; personalized: the site's own model (inside sites only); super, "
+              "gamma=g: FedSM's super model, which uses the personalized model the selector picks for an image when "
+              "the selector's confidence is above gamma, else the global model"]
+    if chosen is not None:
+        legend.append(f"gamma chosen on the inside sites' validation: {chosen:g}")
+    if inside:
+        outside = [s for s in sorted(results["infer"]) if s not in inside]
+        legend.append(f"inside sites (trained): {', '.join(inside)}"
+                      + (f"; outside sites (never trained): {', '.join(outside)}" if outside else ""))
+    return "\n".join([table, *legend])
+
+
+def _same(key: str, value: float) -> bool:
+    try:
+        return float(key) == float(value)
+    except ValueError:
+        return False

@@ -14,13 +14,20 @@ inside site is refused) and collects each site's routing and comparator Dice int
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from pflseg.algorithms.iopfl import RULES
 from pflseg.algorithms.routing import LOSS_WEIGHTS, RESTS, ROUTERS, SHAPE_REDUCTIONS
 from pflseg.config import ConfigError, check_choice
+from pflseg.flare.columns import Score, score
 from pflseg.flare.controllers.base import PostTrainingController
 from pflseg.flare.controllers.fedavg import FedAvgController
 from pflseg.flare.state import load_file, save_file
 from pflseg.flare.wire import GLOBAL, PERSON, SITE, by_site, only, prefixed, unprefixed
+from pflseg.infer.routing import LABELS as ROUTE_LABELS
+from pflseg.infer.routing import METHODS as ROUTE_METHODS
+from pflseg.infer.routing import NORM as ROUTE_NORM
+from pflseg.markdown import markdown_table
 
 BUNDLE = "bundle.pt"
 
@@ -116,3 +123,56 @@ class IOPFLRoutingController(IOPFLSection, PostTrainingController):
                                        for t in targets})
         return {"inside_sites": inside, "targets": targets, "bundle": str(path), "prior": prior,
                 "route": {s: r.metrics["route"] for s, r in res.items()}}
+
+
+def read_route(method: str):
+    """A reader (``pflseg.flare.columns``) of one method of the routing job (a routing variant or a comparator,
+    ``pflseg.infer.routing.METHODS``) at an outside site."""
+    def read(results: Mapping, site: str) -> Score:
+        route = results["route"][site]
+        return score(route["methods"][method], route)
+    return read
+
+
+#: the routing job's comparators (``pflseg.infer.routing.NORM``) in the table's words; the routing variants are
+#: ``pflseg.infer.routing.LABELS``. key -> (label, what it is)
+ROUTE_COMPARATORS = {
+    "global": ("Global", "the global model w_g as trained (FedAvg's)"),
+    "global_bn": ("Global, test-batch BN", "w_g with the test batch's normalisation statistics"),
+    "average": ("Average", "the weight average of the experts (P_1..P_K and w_g)"),
+    "average_bn": ("Average, test-batch BN", "the weight average with test-batch statistics: the routed models' "
+                                             "starting point"),
+    "ensemble": ("Ensemble", "the mean of the experts' probabilities"),
+    "ensemble_bn": ("Ensemble, test-batch BN", "the mean of the experts' probabilities, test-batch statistics"),
+    "tent": ("Tent", "online Tent on w_g: one pass, the norm layers' affine parameters adapted"),
+    "tent_epochs": ("Tent, routing's budget", "Tent for the routing step budget, per image its lowest-entropy "
+                                              "prediction"),
+    "tent_average": ("Tent from Average", "Tent started from the Average"),
+    "routing_global": (None, "one coefficient per expert for the whole model (the paper's Global ablation)"),
+    "routing_layer": (None, "one coefficient vector per layer, shared by the images"),
+    "routing": (None, "the routed model: per-image, per-layer routers (iopfl.router)"),
+    "routing_final": (None, "the routed model at the end of its run"),
+}
+_NORM_WORDS = {"running": "training's running statistics", "batch": "test-batch statistics"}
+
+
+def route_label(key: str) -> str:
+    """A routing job's column in words: the routing variants' ``LABELS``, the comparators' ``ROUTE_COMPARATORS``."""
+    return ROUTE_LABELS.get(key) or (ROUTE_COMPARATORS.get(key, (None, ""))[0] or key)
+
+
+def route_table(results: Mapping) -> str:
+    """Markdown: one row per routed (outside) site, one column per method (test Dice), from the routing job's
+    results.json; a line naming the outside and the inside sites above it, a legend of the columns under it."""
+    rows = results["route"]
+    methods = [m for m in ROUTE_METHODS if all(m in r["methods"] for r in rows.values())]
+    table = markdown_table(["outside site", *map(route_label, methods), "routing s/sample/epoch"], [
+        [site, *(f"{r['methods'][m]['dice']:.4f}" if r["methods"][m]["dice"] is not None else "-" for m in methods),
+         f"{r['seconds_per_sample']:.4f}"] for site, r in sorted(rows.items())])
+    inside = results.get("inside_sites")
+    head = (f"Test Dice at the outside site(s) {', '.join(sorted(rows))} (never trained: the models were routed "
+            "there, unlabeled)" + (f"; experts: P_k of the inside sites {', '.join(inside)} and the global model "
+                                    "w_g" if inside else ""))
+    legend = [f"- {route_label(m)}: {ROUTE_COMPARATORS.get(m, (None, ''))[1] or m}"
+              + (f" [{_NORM_WORDS[ROUTE_NORM[m]]}]" if ROUTE_NORM.get(m) in _NORM_WORDS else "") for m in methods]
+    return "\n".join([head, "", table, "", *legend])
