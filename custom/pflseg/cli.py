@@ -120,7 +120,8 @@ def _bench_options(args) -> dict:
     """``pflseg.eval.bench.run_bench``'s keywords from the flags of ``_bench_flags``."""
     return {"workspace": args.workspace, "data": args.data, "synth_sites": args.synth_sites, "seeds": args.seeds,
             "rounds": args.rounds, "holdout": args.holdout, "sets": args.set, "size": args.size,
-            "threads": args.threads, "sites": args.sites, "site_names": _names(args.site_names), "preset": args.preset}
+            "threads": args.threads, "sites": args.sites, "site_names": _names(args.site_names), "preset": args.preset,
+            "jobs": args.jobs}
 
 
 def _bench(args) -> int:
@@ -135,6 +136,11 @@ def _loso(args) -> int:
 
     run_loso(**_bench_options(args))
     return 0
+
+
+#: the bench's simulator jobs side by side: 2, as the demo runs them (its jobs on 2 cores: FLARE's start-up, waits and
+#: final tests leave a core idle that the second job uses)
+BENCH_JOBS = 2
 
 
 #: ``pflseg report NAME``: the module whose ``report(**flags)`` returns the Markdown to print (it reads the flags it
@@ -255,6 +261,9 @@ def _bench_flags(parser, workspace: str, seeds: list[int], rounds: int, sites: i
     _flags(parser, seeds={"default": seeds,
                           "help": f"seeds: one run of every method per seed (default: {' '.join(map(str, seeds))})"},
            rounds={"default": rounds, "help": f"rounds of every job (default: {rounds})"}, threads={})
+    parser.add_argument("--jobs", type=_positive, default=BENCH_JOBS,
+                        help=f"simulator jobs side by side (default: {BENCH_JOBS}: FLARE's start-up and round trips "
+                             "leave cores idle that a second job uses; the results do not depend on it)")
     _site_flags(parser, "all sites of --data")
     _flags(parser, set="config override for every job")
 

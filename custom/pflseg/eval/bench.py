@@ -30,6 +30,7 @@ import json
 import secrets
 import shutil
 import statistics
+import threading
 from pathlib import Path
 
 from scipy.stats import t
@@ -38,7 +39,7 @@ from torch.utils.data import ConcatDataset
 from pflseg.config import load_job_config
 from pflseg.data import DataError, load_dataset_info, make_synthetic, site_dataset
 from pflseg.deploy.data_sites import flare_names, site_view
-from pflseg.deploy.simulator import run_simulator
+from pflseg.deploy.simulator import run_side_by_side, run_simulator
 from pflseg.deploy.workspace import judge, move_aside, read_record, run_record, server_state, workspace_lock
 from pflseg.eval.plots import reported_val_dice
 from pflseg.eval.progress import RunProgress
@@ -121,6 +122,10 @@ def paired_difference(values: dict[str, list[float]], reference: dict[str, list[
     return out
 
 
+#: one bench's runs side by side share its salts (``Bench.share_salt``)
+_SALT_LOCK = threading.Lock()
+
+
 def choose_by_loso(per_site: dict[str, dict[str, float]], h: str, inside: list[str]) -> str | None:
     """The option with the best mean Dice over the held-out INSIDE sites other than ``h`` (leave-one-inside-site-out:
     each such site looks to its fold's models as an unseen site does); ties keep the earlier option; None without
@@ -164,7 +169,7 @@ class Bench:
     def __init__(self, workspace, data=None, synth_sites: int = 6, methods=None, seeds=(0,), rounds: int = 20,
                  holdout: list[str] | None = None, overrides: dict | None = None, outside: bool = True,
                  threads: int | None = None, progress=print, sites: list[str] | None = None,
-                 preset: str | None = "bench", per_job: dict | None = None, salts: bool = False):
+                 preset: str | None = "bench", per_job: dict | None = None, salts: bool = False, jobs: int = 1):
         self.inside_cols, self.outside_cols, self.after = inside_columns(), outside_columns(), after_jobs()
         methods = default_methods() if methods is None else methods
         unknown = [m for m in methods if m not in self.inside_cols]
@@ -195,6 +200,7 @@ class Bench:
         if data is None and preset and "size" not in self.overrides.get("data", {}):
             self.overrides.setdefault("data", {})["size"] = info.get("train_size") or 64
         self.timings: list[dict] = []
+        self.jobs = jobs
         self.choices: dict = {}
 
     def root(self, seed: int) -> Path:
@@ -303,29 +309,44 @@ class Bench:
     def share_salt(self, site: str, state_root: Path) -> None:
         """Put the site's one salt (made once, ``<workspace>/salts/<site>``) in a run's site state folder."""
         salt = self.ws / "salts" / site
-        if not salt.is_file():
-            private_dir(salt.parent)
-            salt.write_text(secrets.token_hex(32))
-            salt.chmod(0o600)
+        with _SALT_LOCK:  # runs side by side: one salt per site
+            if not salt.is_file():
+                private_dir(salt.parent)
+                salt.write_text(secrets.token_hex(32))
+                salt.chmod(0o600)
         private_dir(state_root)
         target = state_root / SALT_FILE
         if not target.is_file():
             shutil.copy2(salt, target)
 
     def execute(self) -> dict:
-        """Every run of the plan (one bench at a time in a workspace: ``<workspace>/.lock``), then the tables."""
+        """Every run of the plan, ``self.jobs`` side by side (a post-training job once the run it reads has finished;
+        one bench at a time in a workspace: ``<workspace>/.lock``), then the tables. Runs are independent processes
+        with their own seeds, so side by side or one by one gives the same results."""
         with workspace_lock(self.ws):
             plan = self.plan()
+            for seed in self.seeds:
+                self.root(seed)  # synthetic data made once, before runs start side by side
             steps = RunProgress(len(plan), self.progress)
-            for seed, fold, job in plan:
+            timings = {}
+
+            def one(seed: int, fold: str, job: str):
                 done_before = self.finished(seed, fold, job)
-                steps.start(f"seed {seed}, {fold}: {job}")
+                t0 = steps.start(f"seed {seed}, {fold}: {job}")
                 res = self.run(seed, fold, job)
-                took = steps.done(timed=not done_before)
+                took = steps.done(timed=not done_before, t0=t0)
                 seconds = res.get("footprint", {}).get("wall_seconds", took)
-                self.timings.append({"seed": seed, "fold": fold, "job": job, "seconds": seconds})
+                timings[seed, fold, job] = {"seed": seed, "fold": fold, "job": job, "seconds": seconds}
                 how = f"finished earlier ({seconds:.0f} s), read back" if done_before else f"{seconds:.0f} s"
                 self.progress(f"[{steps.finished}/{len(plan)}] {job}: {how}; {len(plan) - steps.finished} left")
+
+            # training runs first, then the post-training runs: queued after every training run, a post-training run
+            # that waits for the run it reads never keeps a training run from starting
+            order = [k for k in plan if k[2] not in self.after] + [k for k in plan if k[2] in self.after]
+            run_side_by_side({k: (lambda k=k: one(*k)) for k in order},  # type: ignore[misc]
+                             after={k: (k[0], k[1], self.after[k[2]][0]) for k in order if k[2] in self.after},
+                             workers=self.jobs)
+            self.timings += [timings[k] for k in plan]
             return self.tables()
 
     # ---- tables ---------------------------------------------------------------------------------
@@ -637,7 +658,7 @@ def run_bench(workspace: str | Path, data: str | Path | None = None, synth_sites
               methods: list[str] | None = None, seeds=(0,), rounds: int = 20, holdout: list[str] | None = None,
               sets: list[str] | None = None, size: int | None = None, outside: bool = True, threads: int | None = None,
               sites: int | None = None, site_names: list[str] | None = None, preset: str | None = "bench",
-              say=print) -> dict:
+              jobs: int = 1, say=print) -> dict:
     """``pflseg bench``: run the ``Bench`` of these settings in ``workspace`` (locked before it makes its synthetic
     data there), then ``say`` its tables and the files written. ``sets``, ``data`` and ``size``: the jobs' overrides
     (``pflseg.deploy.data_sites.job_overrides``); ``sites`` / ``site_names``: the sites of ``data`` it uses (default:
@@ -654,7 +675,7 @@ def run_bench(workspace: str | Path, data: str | Path | None = None, synth_sites
     with workspace_lock(workspace):  # before Bench makes the synthetic data there
         bench = Bench(workspace, data=data, synth_sites=synth_sites, methods=methods, seeds=seeds, rounds=rounds,
                       holdout=holdout, overrides=data_sites.job_overrides(sets or [], data, size), outside=outside,
-                      threads=threads, progress=say, sites=chosen, preset=preset)
+                      threads=threads, progress=say, sites=chosen, preset=preset, jobs=jobs)
         report = bench.execute()
     say(to_markdown(report))
     say(f"written: {bench.ws}/bench.json, bench_inside.csv, bench_outside.csv, bench.md (+ PNG plots with matplotlib)")

@@ -36,19 +36,20 @@ class RunProgress:
         mean = sum(self.durations) / len(self.durations)
         return mean * (self.total - self.finished)
 
-    def start(self, name: str) -> str:
-        self._t0 = self.clock()
+    def start(self, name: str) -> float:
+        """Prints the job's line; returns its start time (for ``done`` when jobs run side by side)."""
+        self._t0 = t0 = self.clock()
         eta = self.eta_seconds()
         line = f"[{self.finished + 1}/{self.total}] {name} ..."
         if eta is not None:
             line += f" ETA {_minutes(eta)}"
         self.progress(line)
-        return line
+        return t0
 
-    def done(self, timed: bool = True) -> float:
-        """Marks the running job done; returns its seconds. ``timed=False``: it was read back, not run, and
-        stays out of the ETA's mean."""
-        seconds = self.clock() - self._t0
+    def done(self, timed: bool = True, t0: float | None = None) -> float:
+        """Marks the running job done (the one started at ``t0``; default: the last started); returns its seconds.
+        ``timed=False``: it was read back, not run, and stays out of the ETA's mean."""
+        seconds = self.clock() - (self._t0 if t0 is None else t0)
         self.finished += 1
         if timed:
             self.durations.append(seconds)

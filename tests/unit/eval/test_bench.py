@@ -188,3 +188,37 @@ def test_fedsm_s_outside_claim_reads_the_super_model_at_every_gamma_at_zero_and_
     assert {k: v.dice for k, v in options.items()} == {"gamma=0.0": 0.3, "gamma=0.9": 0.5, "gamma=1.0": 0.4}
     assert [cols[a].read(results, "site-6").dice for a in claim.against] == [0.3, 0.4]
     assert cols["FedSM super"].read(results, "site-6") == (0.3, None, 3, 24)
+
+
+def test_runs_side_by_side_run_each_job_once_a_post_training_run_after_its_training_run(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    from pflseg.eval import bench as bench_module
+
+    calls, running, overlap = [], set(), []
+    lock = threading.Lock()
+    record = fake_simulator(calls)
+
+    def slow(job_dir, workspace, **kw):  # each run takes a moment: two of them overlap with jobs=2
+        with lock:
+            running.add(str(workspace))
+            overlap.append(len(running))
+        time.sleep(0.3)
+        with lock:
+            out = record(job_dir, workspace, **kw)
+            running.discard(str(workspace))
+        return out
+
+    monkeypatch.setattr(bench_module, "run_simulator", slow)
+    root = make_synthetic(tmp_path / "root", n_sites=4, cases=3, size=16, depth=2)
+    bench = Bench(tmp_path / "ws", data=root, methods=["fedsm", "local"], seeds=[0, 1], holdout=["site-4"], rounds=1,
+                  outside=False, progress=lambda m: None, jobs=2)
+    monkeypatch.setattr(bench, "tables", lambda: None)
+    bench.execute()
+    plan = bench.plan()
+    assert sorted(calls) == sorted(job for _, _, job in plan) and max(overlap) == 2
+    # the timings keep the plan's order, whatever finished first
+    assert [(t["seed"], t["fold"], t["job"]) for t in bench.timings] == plan
+    for seed in (0, 1):  # each post-training run started after the run it reads had finished
+        assert bench.results(seed, "inside", "fedsm")["run"] < bench.results(seed, "inside", "fedsm_infer")["run"]
