@@ -161,7 +161,7 @@ def _deploy_local(args) -> int:
     from pflseg.deploy.local import deploy_local
 
     deploy_local(args.workspace, args.project, args.data, args.sites, _names(args.site_names), args.device,
-                 args.timeout)
+                 args.timeout, allow_list=args.allow_list)
     return 0
 
 
@@ -192,10 +192,9 @@ def _poc(args) -> int:
 
 
 def _site_init(args) -> int:
-    from pflseg.deploy.site_setup import site_init, site_policy
+    from pflseg.deploy.site_setup import POLICY_FLAGS, site_init, site_policy
 
-    policy = site_policy(_names(args.methods), args.no_per_case, args.no_round_test, args.no_publish,
-                         args.allow_pooling, args.allow_two_sites)
+    policy = site_policy(_names(args.methods), **{flag: getattr(args, flag) for flag in POLICY_FLAGS})
     site_init(args.site_dir, args.data, args.site_name, args.data_site, args.device, args.state_dir, policy,
               args.threads)
     return 0
@@ -465,6 +464,8 @@ def _deploy_parsers(sub) -> None:
     dl = dsub.add_parser("local", help="provision provisioning/project.yml on loopback, start server + sites, wait")
     dl.set_defaults(func=_deploy_local)
     dl.add_argument("--project", help="project.yml (default: provisioning/project.yml)")
+    dl.add_argument("--allow-list", choices=["narrow", "broad"], help="the kits' class allow list: narrow (the classes "
+                    "pflseg's jobs name; the project's default) or broad (FLARE's default list plus pflseg's classes)")
     _flags(dl, data="data root every site uses (default: synthetic data made at each site); its sites replace "
                     "project.yml's sites",
            sites="the first N sites of --data (default: all)", site_names="these sites of --data",
@@ -518,6 +519,21 @@ def _site_parsers(sub) -> None:
                                                                   "the data root in a deployment")
     pol.add_argument("--allow-two-sites", action="store_true", help="join deployed training jobs of exactly two sites "
                                                                     "(each can recover the other's model)")
+    pol.add_argument("--allow-per-case", action="store_true", help="send Dice per case (pseudonymised) when a deployed "
+                                                                   "job asks (default: the simulator only)")
+    pol.add_argument("--allow-remote-tracking", action="store_true", help="let a deployed job's tracking send metrics "
+                                                                          "to another host (MLflow URI, W&B online)")
+    pol.add_argument("--require-dp", action="store_true", help="refuse training jobs whose model updates leave "
+                                                               "without DP (privacy.update.dp)")
+    pol.add_argument("--min-noise-multiplier", type=float, metavar="X", help="with DP required, the least "
+                                                                             "privacy.update.dp.noise_multiplier")
+    for flag, what in (("--min-batch-size", "the least train.batch_size (deployment default 4)"),
+                       ("--max-evaluations-per-job", "scoring tasks answered per job (deployment default 2)"),
+                       ("--max-image-size", "the largest data.size (deployment default 512)"),
+                       ("--max-rounds-x-epochs", "the largest rounds x train.epochs (deployment default 10000)")):
+        pol.add_argument(flag, type=int, metavar="N", help=what)
+    pol.add_argument("--max-memory-gib", type=float, metavar="GIB", help="the job's memory estimate at most this "
+                                                                          "(deployment default: this machine's)")
     check = si.add_parser("check", help="print the site's settings and policy, and whether its data validates "
                                         "(exit 1 when not)")
     check.set_defaults(func=_site_check)

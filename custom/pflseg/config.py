@@ -37,7 +37,9 @@ RANGES = {
 MAX_NET_LEVELS = 8  # entries of net.channels / net.strides
 #: Joint bounds of the segmentation network: its parameter count (counted on torch's meta device, nothing is
 #: allocated; the default UNet has 0.2 M, LC-Fed's net 1.7 M) and an estimate of the feature maps one batch keeps
-#: (``activation_bytes``). Each key alone is inside RANGES, but together they could ask for terabytes.
+#: (``activation_bytes``). Each key alone is inside RANGES, but together they could ask for terabytes. These bounds
+#: hold wherever a config is loaded; a deployed site also bounds the job by its own memory, the slice cache included
+#: (``check_memory``, from ``pflseg.flare.policy.check_task``: policy ``max_memory_gib``).
 MAX_NET_PARAMS = 200_000_000
 MAX_ACTIVATION_GIB = 64.0
 NORMS = ("batch", "instance")
@@ -215,6 +217,56 @@ def check_net_budget(cfg: Mapping, source: str = "config") -> None:
                           f"{net['out_channels']} has {n_params / 1e6:,.0f} M parameters, over the budget of "
                           f"{MAX_NET_PARAMS / 1e6:,.0f} M (pflseg.config.MAX_NET_PARAMS): use fewer or narrower "
                           "levels (net.channels) or fewer residual units (net.num_res_units)")
+
+
+def cache_bytes(cfg: Mapping, n_slices: int) -> float:
+    """Bytes of a site's slice cache (``pflseg.data.datasets.SliceDataset``, cache on): per 2D slice its image, its
+    intensity copy (``net.in_channels`` each) and its label (``net.out_channels``), ``data.size``^2 float32 values."""
+    net, side = cfg["net"], cfg["data"]["size"]
+    return n_slices * (2 * net["in_channels"] + net["out_channels"]) * side * side * 4.0
+
+
+def machine_memory(device: str = "auto") -> tuple[int, int | None]:
+    """``(host bytes, GPU bytes or None)`` of this machine: its physical memory (psutil, else ``os.sysconf``), and
+    the total memory of the CUDA device a site of setting ``device`` (auto | cpu | cuda | cuda:N) computes on."""
+    try:
+        import psutil
+
+        host = int(psutil.virtual_memory().total)
+    except ImportError:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    gpu = None
+    if device != "cpu":
+        import torch
+
+        if torch.cuda.is_available():
+            index = int(device[5:]) if device.startswith("cuda:") and device[5:].isdigit() else 0
+            if index < torch.cuda.device_count():
+                gpu = int(torch.cuda.get_device_properties(index).total_memory)
+    return host, gpu
+
+
+def check_memory(cfg: Mapping, source: str, n_slices: int, host_bytes: float, gpu_bytes: float | None = None) -> None:
+    """The job's memory at a site within what the site has: the feature maps of one training (or evaluation) batch
+    (``activation_bytes``) on the GPU when ``gpu_bytes`` is given, else in ``host_bytes`` together with the slice cache
+    of ``n_slices`` slices (``cache_bytes``). ConfigError naming the keys that size each and the numbers."""
+    train = activation_bytes(cfg, cfg["train"]["batch_size"], True)
+    evaluate = activation_bytes(cfg, cfg["train"]["eval_batch_size"], False)
+    maps, key = (train, "train.batch_size") if train >= evaluate else (evaluate, "train.eval_batch_size")
+    cache = cache_bytes(cfg, n_slices)
+    gib = 2.0**30
+    if gpu_bytes is not None and maps > gpu_bytes:
+        raise ConfigError(f"{source}: data.size={cfg['data']['size']} x {key}={cfg['train'][key.split('.')[1]]} "
+                          f"needs about {maps / gib:.1f} GiB of feature maps per batch, over the site's GPU memory "
+                          f"({gpu_bytes / gib:.1f} GiB): lower data.size or {key}")
+    host = cache + (0.0 if gpu_bytes is not None else maps)
+    if host > host_bytes:
+        parts = [f"the slice cache of {n_slices} slices at data.size={cfg['data']['size']}: {cache / gib:.1f} GiB"]
+        if gpu_bytes is None:
+            parts.insert(0, f"feature maps of data.size={cfg['data']['size']} x {key}="
+                            f"{cfg['train'][key.split('.')[1]]}: {maps / gib:.1f} GiB")
+        raise ConfigError(f"{source}: needs about {host / gib:.1f} GiB at the site ({'; '.join(parts)}), over its "
+                          f"memory ({host_bytes / gib:.1f} GiB): lower data.size or {key}")
 
 
 def value_at(cfg: Mapping, dotted: str):

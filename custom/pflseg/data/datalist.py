@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from pflseg.data.errors import DataError
+from pflseg.data.files import private_dir
 
 DATASET_JSON = "dataset.json"
 DATALIST_JSON = "datalist.json"
@@ -104,7 +105,7 @@ def _count(n: int, fraction: float) -> int:
 def write_datalist(site_dir: str | Path, site: str, entries: dict[str, list[dict]]) -> Path:
     """Writes ``<site_dir>/datalist.json`` with the three split lists (sorted by case, slice)."""
     site_dir = Path(site_dir)
-    site_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(site_dir)
     body = {"site": site}
     for split in SPLITS:
         body[split] = sorted(entries.get(split, []), key=lambda e: (e["case"], e.get("slice", 0), e["image"]))
@@ -130,7 +131,7 @@ def write_dataset_json(
     if label_encoding not in ENCODINGS:
         raise ValueError(f"label_encoding={label_encoding!r}: expected one of {ENCODINGS}")
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
+    private_dir(root)
     body = {
         "name": name,
         "task": task,

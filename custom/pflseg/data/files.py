@@ -10,6 +10,7 @@ is gray, RGB otherwise); a palette mask keeps its palette indices, which are its
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,8 @@ import numpy as np
 NIFTI_SUFFIXES = (".nii.gz", ".nii")
 PIL_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff")
 IMAGE_SUFFIXES = NIFTI_SUFFIXES + PIL_SUFFIXES
+#: the mode of every folder pflseg makes (state, logs, data roots, predictions, reports): its user's only
+PRIVATE_DIR = 0o700
 
 
 class ImageFormatError(ValueError):
@@ -261,3 +264,23 @@ def mask_plane(array: np.ndarray, nifti: bool) -> np.ndarray:
     elif nifti and array.ndim > 3:
         array = array.reshape(array.shape[:3])
     return array
+
+
+def private_dir(folder: str | Path) -> Path:
+    """Make ``folder`` and its missing parents with mode ``PRIVATE_DIR`` (0700, whatever the umask); a folder that
+    exists already keeps its mode. Returns ``folder``."""
+    folder = Path(folder)
+    missing = []
+    for parent in [folder, *folder.parents]:
+        if parent.is_dir():
+            break
+        missing.append(parent)
+    for made in reversed(missing):
+        try:
+            made.mkdir(mode=PRIVATE_DIR)
+        except FileExistsError:  # made meanwhile by another process (another site, the simulator's next worker)
+            continue
+        os.chmod(made, PRIVATE_DIR)
+    if not folder.is_dir():
+        folder.mkdir(parents=True, exist_ok=True)  # raises what stands in the way (a file of that name)
+    return folder

@@ -127,6 +127,7 @@ from pathlib import Path
 import numpy as np
 
 from pflseg.data.datalist import claim_out, split_cases, write_datalist, write_dataset_json
+from pflseg.data.files import private_dir
 from pflseg.train.progress import Progress
 
 TASKS = ("prostate", "fundus")
@@ -465,8 +466,8 @@ def make_synthetic(
     for profile, n_cases in zip(profiles, counts):
         site = profile["site"]
         site_dir = out / site
-        (site_dir / "imagesTr").mkdir(parents=True, exist_ok=True)
-        (site_dir / "labelsTr").mkdir(parents=True, exist_ok=True)
+        private_dir(site_dir / "imagesTr")
+        private_dir(site_dir / "labelsTr")
         n_px = _n_px(size, profile["px"])
         spacing = FOV_MM / n_px
         affine = np.diag([spacing, spacing, SLICE_MM, 1.0])

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from pflseg.config import parse_set
 from pflseg.data import load_dataset_info
+from pflseg.data.files import private_dir
 
 _CLIENT = re.compile(r"^[A-Za-z0-9_-]+$")  # FLARE's client name pattern (nvflare.apis.utils.format_check)
 _RESERVED = {"server"}  # the simulator's server folder
@@ -78,7 +79,7 @@ def site_view(root: str | Path, sites: list[str], out: str | Path) -> tuple[Path
     if all(k == v for k, v in mapping.items()):
         return root, mapping
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    private_dir(out)
     for name, site in mapping.items():
         link = out / name
         if link.is_symlink() or link.is_file():

@@ -25,7 +25,7 @@ import psutil
 import yaml
 
 from pflseg.deploy.provision import REPO_PROJECT, loopback_env, provision_loopback
-from pflseg.flare.state import write_text
+from pflseg.flare.state import private_dir, write_text
 
 PROJECT_ADMIN = "admin@pflseg.org"
 
@@ -35,8 +35,10 @@ class LocalFederation:
 
     admin = PROJECT_ADMIN
 
-    def __init__(self, workspace: str | Path, project_yml: str | Path = REPO_PROJECT, progress=print):
+    def __init__(self, workspace: str | Path, project_yml: str | Path = REPO_PROJECT, progress=print,
+                 allow_list: str | None = None):
         self.workspace = Path(workspace).resolve()
+        self.allow_list = allow_list  # the kits' class allow list, narrow | broad (None: the project's builder's)
         self.project_yml = Path(project_yml)
         self.progress = progress
         self.kits = self._kits()
@@ -83,7 +85,7 @@ class LocalFederation:
         return self.kits
 
     def _provision(self) -> None:
-        provision_loopback(self.workspace, self.project_yml)
+        provision_loopback(self.workspace, self.project_yml, allow_list=self.allow_list)
 
     def start_participant(self, name: str) -> int:
         kit = self.kit(name)
@@ -249,7 +251,7 @@ class LocalFederation:
         return out
 
     def _record(self) -> None:
-        self.workspace.mkdir(parents=True, exist_ok=True)
+        private_dir(self.workspace)
         write_text(self.workspace / "federation.json", json.dumps({"pids": self.pids, "started": self.started},
                                                                   indent=1))
 
@@ -270,7 +272,7 @@ def _signal(proc: psutil.Process, sig) -> None:
 
 def deploy_local(workspace: str | Path, project_yml: str | Path | None = None, data: str | Path | None = None,
                  sites: int | None = None, site_names: list[str] | None = None, device: str = "auto",
-                 timeout: float = 180.0, say=print) -> LocalFederation:
+                 timeout: float = 180.0, say=print, allow_list: str | None = None) -> LocalFederation:
     """``pflseg deploy local``: provision ``project_yml`` (default: the repository's) in ``workspace`` on loopback,
     start the server and every site with ``device``, wait up to ``timeout`` seconds until all are connected, and
     ``say`` how to submit to it and stop it; the federation is left running.
@@ -282,7 +284,8 @@ def deploy_local(workspace: str | Path, project_yml: str | Path | None = None, d
 
     Every site of this researcher's federation on one machine allows jobs of two sites (``LOOPBACK_POLICY``: one
     person holds every site, so what a site receives from the other is no secret; said at provisioning): a
-    hospital's own site decides that for itself (``pflseg site init --allow-two-sites``).
+    hospital's own site decides that for itself (``pflseg site init --allow-two-sites``). ``allow_list``: the kits'
+    class allow list, narrow (the project's default) or broad (``pflseg.deploy.provision.PflsegBuilder``).
     """
     from pflseg.deploy.data_sites import data_sites, project_with_sites
 
@@ -298,10 +301,10 @@ def deploy_local(workspace: str | Path, project_yml: str | Path | None = None, d
         chosen, name = site_names or [f"site-{i + 1}" for i in range(sites)], "project.sites.yml"
     if chosen:
         project = project_with_sites(yaml.safe_load(project_yml.read_text()), chosen)
-        ws.mkdir(parents=True, exist_ok=True)
+        private_dir(ws)
         project_yml = ws / name
         project_yml.write_text(yaml.safe_dump(project, sort_keys=False))
-    fed = LocalFederation(workspace, project_yml, progress=say)
+    fed = LocalFederation(workspace, project_yml, progress=say, allow_list=allow_list)
     fed.provision(site_cfg)
     say("every site allows jobs of two sites (policy.two_sites: true): this federation's sites are all yours; a "
         "hospital's site decides that itself (`pflseg site init --allow-two-sites`)")

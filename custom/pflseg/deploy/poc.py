@@ -17,6 +17,7 @@ from pathlib import Path
 from pflseg.deploy.local import LocalFederation
 from pflseg.deploy.provision import free_port, loopback_env, protect_ca_state
 from pflseg.flare.allowlist import add_to_resources
+from pflseg.flare.state import private_dir
 
 
 class PocFederation(LocalFederation):
@@ -39,7 +40,7 @@ class PocFederation(LocalFederation):
         return kits
 
     def _provision(self) -> None:
-        (self.workspace / "home").mkdir(parents=True, exist_ok=True)
+        private_dir(self.workspace / "home")
         env = {**loopback_env(self.workspace), "NVFLARE_POC_WORKSPACE": str(self.workspace / "poc")}
         sites = ["-c", *self.clients] if self.clients else ["-n", str(self.n_sites)]
         cmd = ["nvflare", "poc", "prepare", *sites, "--force"]

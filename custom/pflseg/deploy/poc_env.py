@@ -26,7 +26,7 @@ from nvflare.recipe.poc_env import PocEnv
 
 from pflseg.deploy.data_sites import project_with_sites
 from pflseg.deploy.provision import REPO_PROJECT, free_port, loopback_project
-from pflseg.flare.state import write_text
+from pflseg.flare.state import private_dir, write_text
 
 
 def pflseg_poc_env(workspace: str | Path, n_sites: int = 2, clients: list[str] | None = None,
@@ -51,7 +51,7 @@ def pflseg_poc_env(workspace: str | Path, n_sites: int = 2, clients: list[str] |
         raise ValueError(f"{project_yml}: no pflseg.deploy.provision.PflsegBuilder among its builders: its sites would "
                          "allow none of pflseg's classes")
     project = project_with_sites(loopback_project(project, ws, free_port()), sites)
-    ws.mkdir(parents=True, exist_ok=True)
+    private_dir(ws)
     path = ws / "poc_project.yml"  # outside the POC workspace, which PocEnv deletes and makes anew
     path.write_text(yaml.safe_dump(project, sort_keys=False))
     settings = {"threads": max(1, (os.cpu_count() or 1) // len(sites)), "policy": {"two_sites": bool(two_sites)}}

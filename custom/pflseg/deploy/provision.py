@@ -3,8 +3,10 @@
 ``PflsegBuilder`` (listed in provisioning/project.yml after FLARE's StaticFileBuilder) writes into every
 startup kit what a package-mode deployment needs:
 
-- the server's and every site's ``local/resources.json.default`` get pflseg's job classes on their
-  ``class_allow_list`` (``pflseg.flare.allowlist``), so jobs without custom code can run;
+- the server's and every site's ``local/resources.json.default`` get a ``class_allow_list`` that lets jobs without
+  custom code run (``pflseg.flare.allowlist``): by default the narrow one, the classes pflseg's jobs name and
+  nothing else (``allow_list: narrow``); ``allow_list: broad`` keeps FLARE's 88 default classes and adds pflseg's
+  (a federation whose jobs also add FLARE's own privacy filters, ``privacy.update.filters``);
 - the server's job store and snapshots go to ``storage_root`` (FLARE's kits default to the shared
   ``/tmp/nvflare/jobs-storage``): one folder per deployment;
 - every kit's ``local/authorization.json.default`` gets pflseg's policy (``site_policy``) instead of FLARE's
@@ -34,7 +36,8 @@ import yaml
 from nvflare.lighter.spec import Builder
 
 from pflseg.config import resource_dir
-from pflseg.flare.allowlist import add_to_resources
+from pflseg.flare.allowlist import LISTS, add_to_resources
+from pflseg.flare.state import private_dir
 
 #: the deployment template: the checkout's provisioning/project.yml, or an installed wheel's copy of it
 REPO_PROJECT = (resource_dir("provisioning") or Path("provisioning")) / "project.yml"
@@ -95,14 +98,20 @@ class PflsegBuilder(Builder):
         byoc: who may submit jobs with custom code, for ``project_admin`` and ``lead`` (``site_policy``):
             "none" (default), "o:site" (only at sites of the submitter's own organisation) or "any" (FLARE's
             default for ``lead``: a research federation that trusts its submitters).
+        allow_list: the kits' ``class_allow_list``: "narrow" (default: the classes pflseg's jobs name,
+            ``pflseg.flare.allowlist.narrow_list``) or "broad" (FLARE's default list plus pflseg's classes).
     """
 
     def __init__(self, storage_root: str = "/var/lib/pflseg/flare", heart_beat_timeout: int | None = None,
-                 byoc: str = "none"):
+                 byoc: str = "none", allow_list: str = "narrow"):
         self.storage_root = storage_root
         self.heart_beat_timeout = heart_beat_timeout
         self.byoc = byoc
+        self.allow_list = allow_list
         site_policy(byoc)  # a wrong value fails before provisioning starts
+        if allow_list not in LISTS:
+            raise ValueError(f"PflsegBuilder allow_list={allow_list!r}: expected one of {', '.join(LISTS)} (narrow: "
+                             "the classes pflseg's jobs name; broad: FLARE's default list plus pflseg's classes)")
 
     def initialize(self, project, ctx):
         protect_ca_state(Path(ctx.get_state_dir()))
@@ -118,7 +127,7 @@ class PflsegBuilder(Builder):
         for participant in [server, *project.get_clients()]:
             local = Path(ctx.get_local_dir(participant))
             resources = local / "resources.json.default"
-            add_to_resources(resources)
+            add_to_resources(resources, self.allow_list)
             if participant is server:
                 _set_storage(resources, Path(self.storage_root))
             else:
@@ -139,7 +148,7 @@ CERT_STATE = "cert.json"
 def protect_ca_state(state: Path, create: bool = False) -> Path:
     """``state`` (a provisioning workspace's ``state`` folder) made ``0700`` and its ``cert.json`` ``0600``;
     ``create``: an absent ``cert.json`` is created empty with that mode (for FLARE to fill). Returns the file."""
-    state.mkdir(parents=True, exist_ok=True)
+    private_dir(state)
     os.chmod(state, 0o700)
     cert = state / CERT_STATE
     if cert.exists() or create:
@@ -176,9 +185,10 @@ def free_port() -> int:
 LOOPBACK_HEART_BEAT_TIMEOUT = 60
 
 
-def loopback_project(project: dict, workspace: Path, port: int) -> dict:
+def loopback_project(project: dict, workspace: Path, port: int, allow_list: str | None = None) -> dict:
     """``project`` (parsed project.yml) made to run on this machine: server ``localhost:port``, storage in
-    ``workspace``, a site without heartbeat for ``LOOPBACK_HEART_BEAT_TIMEOUT`` s dropped as dead."""
+    ``workspace``, a site without heartbeat for ``LOOPBACK_HEART_BEAT_TIMEOUT`` s dropped as dead; ``allow_list``
+    (narrow | broad) given: the kits' class allow list (``PflsegBuilder``), else the project's."""
     project = json.loads(json.dumps(project))
     servers = [p for p in project["participants"] if p["type"] == "server"]
     if len(servers) != 1:
@@ -189,16 +199,19 @@ def loopback_project(project: dict, workspace: Path, port: int) -> dict:
         if b["path"].endswith("PflsegBuilder"):
             b["args"] = {"heart_beat_timeout": LOOPBACK_HEART_BEAT_TIMEOUT, **(b.get("args") or {}),
                          "storage_root": str(workspace / "storage")}
+            if allow_list is not None:
+                b["args"]["allow_list"] = allow_list
     return project
 
 
-def provision_loopback(workspace: str | Path, project_yml: str | Path = REPO_PROJECT, port: int | None = None) -> Path:
-    """Provision ``project_yml`` for loopback into ``workspace``; return the folder of the startup kits."""
+def provision_loopback(workspace: str | Path, project_yml: str | Path = REPO_PROJECT, port: int | None = None,
+                       allow_list: str | None = None) -> Path:
+    """Provision ``project_yml`` for loopback into ``workspace`` (``allow_list``: ``loopback_project``); return the
+    folder of the startup kits."""
     workspace = Path(workspace).resolve()
     project = yaml.safe_load(Path(project_yml).read_text())
-    project = loopback_project(project, workspace, port or free_port())
-    workspace.mkdir(parents=True, exist_ok=True)
-    (workspace / "home").mkdir(exist_ok=True)
+    project = loopback_project(project, workspace, port or free_port(), allow_list)
+    private_dir(workspace / "home")
     path = workspace / "project.yml"
     path.write_text(yaml.safe_dump(project, sort_keys=False))
     shutil.rmtree(workspace / "provision", ignore_errors=True)  # fresh kits (and a fresh CA) every time

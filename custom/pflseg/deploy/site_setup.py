@@ -16,16 +16,30 @@ def site_name(site_dir: str | Path, name: str | None = None) -> str:
     return name or Path(site_dir).resolve().name
 
 
-def site_policy(methods: list[str] | None = None, no_per_case: bool = False, no_round_test: bool = False,
-                no_publish: bool = False, allow_pooling: bool = False, allow_two_sites: bool = False) -> dict:
-    """The policy a site writes (``pflseg.flare.policy``): only what it restricts or allows beyond the default
-    (allow what the job asks; refuse pooling and two-site jobs).
+#: ``site_policy``'s flags (``pflseg site init``'s options, by their argparse names)
+POLICY_FLAGS = ("no_per_case", "no_round_test", "no_publish", "allow_pooling", "allow_two_sites", "allow_per_case",
+                "allow_remote_tracking", "require_dp", "min_noise_multiplier", "min_batch_size",
+                "max_evaluations_per_job", "max_image_size", "max_rounds_x_epochs", "max_memory_gib")
 
-    Example: ``site_policy(["fedavg"], no_publish=True)`` -> ``{"methods": ["fedavg"], "publish": False}``.
+
+def site_policy(methods: list[str] | None = None, no_per_case: bool = False, no_round_test: bool = False,
+                no_publish: bool = False, allow_pooling: bool = False, allow_two_sites: bool = False,
+                allow_per_case: bool = False, allow_remote_tracking: bool = False, require_dp: bool = False,
+                **bounds) -> dict:
+    """The policy a site writes (``pflseg.flare.policy``): only what it restricts or allows beyond the default.
+    ``bounds``: policy keys with a number (``min_noise_multiplier``, ``min_batch_size``, ``max_evaluations_per_job``,
+    ``max_image_size``, ``max_rounds_x_epochs``, ``max_memory_gib``); None: the default.
+
+    Example: ``site_policy(["fedavg"], no_publish=True, require_dp=True)`` -> ``{"methods": ["fedavg"], "publish":
+    False, "require_dp": True}``.
     """
-    policy = {"methods": methods, "per_case": False if no_per_case else None,
+    if no_per_case and allow_per_case:
+        raise ValueError("--no-per-case and --allow-per-case contradict each other: pass one")
+    policy = {"methods": methods, "per_case": False if no_per_case else True if allow_per_case else None,
               "round_test": False if no_round_test else None, "publish": False if no_publish else None,
-              "pooling": True if allow_pooling else None, "two_sites": True if allow_two_sites else None}
+              "pooling": True if allow_pooling else None, "two_sites": True if allow_two_sites else None,
+              "remote_tracking": True if allow_remote_tracking else None, "require_dp": True if require_dp else None,
+              **bounds}
     return {key: value for key, value in policy.items() if value is not None}
 
 

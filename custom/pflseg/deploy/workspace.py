@@ -23,7 +23,7 @@ from pathlib import Path
 
 from pflseg.data.datalist import DATALIST_JSON
 from pflseg.flare.methods import own_config
-from pflseg.flare.state import RoundStore, write_text
+from pflseg.flare.state import PRIVATE_DIR, RoundStore, private_dir, write_text
 
 try:
     import fcntl
@@ -98,7 +98,7 @@ def check_workspace(workspace: str | Path) -> Path:
         raise NotADirectoryError(f"workspace {ws}: {blocker} is a file, not a folder; give --workspace a folder (a "
                                  "new one is made) or move the file away")
     try:
-        ws.mkdir(parents=True, exist_ok=True)
+        private_dir(ws)
     except PermissionError as exc:
         raise PermissionError(f"workspace {ws}: cannot make or write it ({exc.strerror}); give --workspace a folder "
                               "you may write") from None
@@ -264,7 +264,8 @@ def move_aside(workspace: str | Path) -> Path:
     while aside.exists():
         n += 1
         aside = base.with_name(f"{base.name}.{n}")
-    aside.mkdir(parents=True)
+    private_dir(aside.parent)
+    aside.mkdir(mode=PRIVATE_DIR)  # a new folder (raises when one is there)
     for entry in ws.iterdir():
         if entry.name != LOCK:
             os.rename(entry, aside / entry.name)

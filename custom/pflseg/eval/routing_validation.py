@@ -30,7 +30,7 @@ from torch.utils.data import ConcatDataset
 
 from pflseg.algorithms.routing import build_routed_model, loss_weights
 from pflseg.data import site_dataset
-from pflseg.flare.state import load_file, unprefixed
+from pflseg.flare.state import load_file, private_dir, unprefixed
 from pflseg.infer.routing import _trainable, adapt, budget, final_loss, predict, settings
 from pflseg.nets import build_net
 from pflseg.train.loop import seed_everything
@@ -176,7 +176,7 @@ def to_markdown(report: dict) -> str:
 
 def write(report: dict, out: Path) -> None:
     """``routing_validation.json`` and ``.md`` in ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
+    private_dir(out)
     (out / "routing_validation.json").write_text(json.dumps(report, indent=1))
     (out / "routing_validation.md").write_text(to_markdown(report))
 

@@ -1,14 +1,19 @@
 """The classes a package-mode pflseg job asks FLARE to build, for the sites' ``class_allow_list``.
 
 A job without custom code (package mode) only runs classes a site allows in its ``local/resources.json``
-(``class_allow_list``; FLARE's built-in list when absent). What pflseg's provisioning, POC and simulator runs
-write there (``allow_list``) is exactly: FLARE 2.9's default list (``DEFAULT_CLASS_ALLOW_LIST``: 88 classes of
-FLARE's own, its workflows, executors, aggregators, persistors, privacy filters and widgets, which FLARE's kits
-allow anyway) plus pflseg's own job classes by exact name (every method's controller and both site executors,
-``pflseg_classes``: no ``pflseg.`` prefix). pflseg's jobs name only ``job_classes``: pflseg's classes and two of
-FLARE's (``FLARE_CLASSES``), less the Client API site executor a job names only with ``site.executor: client_api``;
-a site that allows nothing else writes that list (docs/deployment.md, "Shipping code"). FLARE filters a job adds
-(``privacy.update.filters``) must be on the site's list too.
+(``class_allow_list``; FLARE's built-in list when absent). Two lists:
+
+- narrow (``narrow_list``; what provisioned kits get by default, ``PflsegBuilder(allow_list="narrow")``): the classes
+  pflseg's jobs name and nothing else: pflseg's own job classes by exact name (every method's controller and both
+  site executors, ``pflseg_classes``: no ``pflseg.`` prefix), FLARE's two that every job names (``FLARE_CLASSES``)
+  and the server's optional MLflow and W&B receivers (``TRACKING_CLASSES``: ``tracking.receivers``);
+- broad (``allow_list``; the simulator's and POC's, and kits made with ``allow_list: broad``): FLARE 2.9's default
+  list (``DEFAULT_CLASS_ALLOW_LIST``: 88 classes of FLARE's own, its workflows, executors, aggregators, persistors,
+  privacy filters and widgets, which FLARE's kits allow anyway) plus pflseg's classes.
+
+pflseg's committed jobs name only ``job_classes``: pflseg's classes and ``FLARE_CLASSES``, less the Client API site
+executor a job names only with ``site.executor: client_api``. FLARE filters a job adds (``privacy.update.filters``)
+must be on the site's list too: the broad list holds FLARE's own filters, the narrow one none.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import json
 from pathlib import Path
 
 from nvflare.app_common.default_component_policy import DEFAULT_CLASS_ALLOW_LIST
+
+from pflseg.data.files import private_dir
 
 
 def _path(cls) -> str:
@@ -37,6 +44,13 @@ FLARE_CLASSES = ("nvflare.app_common.widgets.convert_to_fed_event.ConvertToFedEv
                  "nvflare.app_opt.tracking.tb.tb_receiver.TBAnalyticsReceiver")
 
 
+#: FLARE's receivers a job names at the server with ``tracking.receivers`` mlflow / wandb (``pflseg.flare.jobs``)
+TRACKING_CLASSES = ("nvflare.app_opt.tracking.mlflow.mlflow_receiver.MLflowReceiver",
+                    "nvflare.app_opt.tracking.wandb.wandb_receiver.WandBReceiver")
+#: ``PflsegBuilder``'s ``allow_list`` values: which list a kit gets
+LISTS = ("narrow", "broad")
+
+
 def job_classes() -> list[str]:
     """Every class a pflseg job (package mode, default privacy and site settings) asks FLARE to build."""
     from pflseg.flare.executor import ClientAPISiteExecutor
@@ -45,16 +59,27 @@ def job_classes() -> list[str]:
 
 
 def allow_list() -> list[str]:
-    """FLARE's default class allow list plus pflseg's classes."""
+    """The broad list: FLARE's default class allow list plus pflseg's classes."""
     return list(DEFAULT_CLASS_ALLOW_LIST) + [c for c in pflseg_classes() if c not in DEFAULT_CLASS_ALLOW_LIST]
 
 
-def add_to_resources(path: str | Path) -> Path:
-    """Put pflseg's classes on the ``class_allow_list`` of a resources file (created if absent), in place."""
+def narrow_list() -> list[str]:
+    """The narrow list: the classes pflseg's jobs can name (FLARE's, then pflseg's), nothing else."""
+    return sorted(FLARE_CLASSES + TRACKING_CLASSES) + pflseg_classes()
+
+
+def add_to_resources(path: str | Path, which: str = "broad") -> Path:
+    """The ``class_allow_list`` of a resources file (created if absent), in place: ``broad``: pflseg's classes added
+    to the list there (FLARE's default when it has none); ``narrow``: the list made ``narrow_list()``."""
+    if which not in LISTS:
+        raise ValueError(f"allow list {which!r}: expected one of {', '.join(LISTS)}")
     path = Path(path)
     resources = json.loads(path.read_text()) if path.is_file() else {"format_version": 2}
-    current = resources.get("class_allow_list") or list(DEFAULT_CLASS_ALLOW_LIST)
-    resources["class_allow_list"] = current + [c for c in pflseg_classes() if c not in current]
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if which == "narrow":
+        resources["class_allow_list"] = narrow_list()
+    else:
+        current = resources.get("class_allow_list") or list(DEFAULT_CLASS_ALLOW_LIST)
+        resources["class_allow_list"] = current + [c for c in pflseg_classes() if c not in current]
+    private_dir(path.parent)
     path.write_text(json.dumps(resources, indent=2))
     return path

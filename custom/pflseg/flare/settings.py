@@ -105,7 +105,7 @@ def init_site(site_dir: str | Path, site: str, data: str | Path, data_site: str 
     problems = check_site(site, settings, say)  # say: progress lines while the site's files are read
     if problems:
         return target, problems, kept
-    target.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(target.parent)
     if body.get("state_dir"):
         private_dir(body["state_dir"])
     write_text(target, json.dumps(body, indent=1) + "\n")

@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from pflseg.data.files import PRIVATE_DIR, private_dir  # noqa: F401 - state's folders
+
 try:
     import fcntl
 except ImportError:  # Windows: no advisory locks; ownership is still recorded
@@ -48,8 +50,9 @@ except ImportError:  # Windows: no advisory locks; ownership is still recorded
 
 _ROUND_FILE = re.compile(r"round_(\d{4,})\.pt$")
 log = logging.getLogger("pflseg.state")
-#: modes of what pflseg makes for state: folders only the site's (or server's) user can enter, files only it reads
-PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600
+#: modes of what pflseg makes for state: folders only the site's (or server's) user can enter (``PRIVATE_DIR``, made
+#: by ``private_dir``: every folder pflseg makes), files only it reads
+PRIVATE_FILE = 0o600
 
 
 class StateError(RuntimeError):
@@ -165,26 +168,6 @@ def save_file(path: str | Path, payload: dict) -> None:
 def write_text(path: str | Path, text: str) -> None:
     """``save_file`` for a text file (e.g. results.json)."""
     _write(Path(path), lambda f: f.write(text), "w")
-
-
-def private_dir(folder: str | Path) -> Path:
-    """Make ``folder`` and its missing parents with mode ``PRIVATE_DIR`` (0700, whatever the umask); a folder that
-    exists already keeps its mode. Returns ``folder``."""
-    folder = Path(folder)
-    missing = []
-    for parent in [folder, *folder.parents]:
-        if parent.is_dir():
-            break
-        missing.append(parent)
-    for made in reversed(missing):
-        try:
-            made.mkdir(mode=PRIVATE_DIR)
-        except FileExistsError:  # made meanwhile by another process (another site, the simulator's next worker)
-            continue
-        os.chmod(made, PRIVATE_DIR)
-    if not folder.is_dir():
-        folder.mkdir(parents=True, exist_ok=True)  # raises what stands in the way (a file of that name)
-    return folder
 
 
 def private_open(path: str | Path, mode: str = "wb"):

@@ -28,19 +28,12 @@ import numpy as np
 import torch
 
 from pflseg.data.datalist import resolve
-from pflseg.data.files import is_nifti
+from pflseg.data.files import is_nifti, private_dir
 from pflseg.train.evaluate import dice_scores
 
-#: modes of what a site writes about its patients: a folder only its user enters, files only its user reads
-PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600
-
-
-def private_dir(folder: str | Path) -> Path:
-    """``folder`` (made if missing, with its parents) with mode ``PRIVATE_DIR``."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    os.chmod(folder, PRIVATE_DIR)
-    return folder
+#: modes of what a site writes about its patients: a folder only its user enters (``private_dir``), files only its
+#: user reads
+PRIVATE_FILE = 0o600
 
 
 def private_file(path: str | Path) -> Path:

@@ -53,10 +53,11 @@ class _Federation:
 
     made: list = []
 
-    def __init__(self, workspace, project_yml, progress=print):
+    def __init__(self, workspace, project_yml, progress=print, allow_list=None):
         import yaml
 
         self.workspace, self.project = workspace, yaml.safe_load(open(project_yml))
+        self.allow_list = allow_list
         _Federation.made.append(self)
 
     def sites(self):
@@ -88,6 +89,7 @@ def test_deploy_local_makes_a_federation_whose_sites_take_two_site_jobs(tmp_path
     deploy_local(tmp_path / "fed", sites=2, say=said.append)
     fed = _Federation.made[-1]
     assert fed.sites() == ["site-1", "site-2"] and fed.site_config["policy"] == {"two_sites": True}
+    assert fed.allow_list is None  # the project's builder's: narrow (`--allow-list broad` passes "broad")
     assert any("every site allows jobs of two sites (policy.two_sites: true)" in line for line in said)
     assert any("pflseg jobs export fedavg --out runs/jobs --set data.allow_synthetic=true --set min_clients=2" in line
                for line in said)

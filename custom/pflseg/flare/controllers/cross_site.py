@@ -32,7 +32,7 @@ from pathlib import Path
 
 from pflseg.config import check_effective
 from pflseg.flare.controllers.base import PostTrainingController, check_update
-from pflseg.flare.state import RoundStore, write_text
+from pflseg.flare.state import RoundStore, private_dir, write_text
 from pflseg.flare.wire import BEST, BEST_PERSON, GLOBAL, PERSON, SITE, prefixed, unprefixed
 from pflseg.markdown import markdown_table
 from pflseg.nets import build_net
@@ -149,7 +149,7 @@ class CrossSiteController(PostTrainingController):
         the JSON also into FLARE's run folder (``cross_site_val/``)."""
         text = json.dumps(matrix, indent=2, sort_keys=True)
         for path in (self.store.root / RESULTS, Path(self.get_run_dir()) / FLARE_DIR / RESULTS):
-            path.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(path.parent)
             write_text(path, text)
         write_text(self.store.root / "cross_val_results.md", matrix_markdown(matrix, names, notes) + "\n")
         self.info(f"cross-site matrix written to {self.store.root / RESULTS}")
