@@ -16,7 +16,10 @@ Privacy of one round: the released update is a Gaussian mechanism whose L2 sensi
 of the site's data counts as neighbouring (both updates have norm <= C), C for "the site's data or none"
 (``sensitivity`` below, in units of C). T rounds compose in zero-concentrated DP: rho = T s^2 / (2 sigma^2),
 giving (rho + 2 sqrt(rho ln(1/delta)), delta)-DP (Bun and Steinke, TCC 2016, Prop. 1.3 and Lemma 2.5 / 3.5).
-The guarantee holds only while the noise is secret: its seed must not be derivable by whoever sees the update.
+The guarantee holds only while the noise is secret and drawn once: its seed must not be derivable by whoever sees
+the update or chose the round's inputs (``fresh_generator``: fresh OS randomness at every release), and one round
+released twice with fresh noise counts twice (the site refuses it: ``pflseg.flare.privacy.Releases``). DP runs are
+therefore not reproducible; runs without noise are.
 
 Pure tensors: no FLARE, no files.
 """
@@ -24,8 +27,17 @@ Pure tensors: no FLARE, no files.
 from __future__ import annotations
 
 import math
+import secrets
 
 import torch
+
+
+def fresh_generator() -> torch.Generator:
+    """A CPU generator seeded with 63 bits of the OS's randomness (``secrets``).
+
+    A new, unpredictable noise source for every release: neither the server nor a rerun of the job can regenerate it.
+    """
+    return torch.Generator().manual_seed(secrets.randbits(63))
 
 
 def float_keys(update: dict[str, torch.Tensor]) -> list[str]:
@@ -86,8 +98,8 @@ def privatize(update: dict[str, torch.Tensor], clip: float | None, noise_multipl
         update: key -> tensor, a site's model update (trained minus received).
         clip: C > 0, or None (only with ``noise_multiplier`` 0: the noise is scaled by C).
         noise_multiplier: sigma >= 0.
-        generator: the noise's source (required when sigma > 0); seed it per site and round from a secret
-            that never leaves the site.
+        generator: the noise's source (required when sigma > 0): ``fresh_generator()`` for a release; a fixed
+            seed only in tests.
 
     Returns:
         (private update, the norm before clipping: stays at the site).
@@ -101,7 +113,7 @@ def privatize(update: dict[str, torch.Tensor], clip: float | None, noise_multipl
     out, norm = clip_update(update, clip)
     if noise_multiplier > 0:
         if generator is None:
-            raise ValueError("noise_multiplier > 0 needs a generator (seeded from a secret of the site)")
+            raise ValueError("noise_multiplier > 0 needs a generator (fresh_generator(): fresh randomness of the site)")
         out = add_noise(out, noise_multiplier * clip, generator)
     return out, norm
 

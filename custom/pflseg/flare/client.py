@@ -9,10 +9,11 @@ client_api``)::
 The job's configuration arrives from the server in ``meta["pflseg"]``; the method's site class
 (``pflseg.flare.methods``) answers the tasks its method has. A failing task, whatever the exception,
 becomes an error reply that names the problem (the server leaves the site out of that round), never a
-dead site. The reply, and the ERROR line in FLARE's log, carry what may leave the site only
-(``pflseg.flare.privacy.public_error``: data problems as codes, counts and pseudonyms; no absolute path; an
-unforeseen exception by its type); the full detail goes to the site-local ``<state root>/site_errors.log``,
-which the reply names. A task stopped because it was aborted (``pflseg.train.loop.TaskAborted``: the executor's stop
+dead site. Every reply, an error's too, leaves through the site's one exit (``pflseg.flare.outbox.leave``: the
+site's policy, the privacy path, the error-text rule): the reply, and the ERROR line in FLARE's log, carry what may
+leave the site only (``pflseg.flare.privacy.public_error``: codes and pseudonyms, pflseg's own words without paths;
+never another library's message); the full detail goes to the site-local ``<state root>/site_errors.log``, which
+the reply names. A task stopped because it was aborted (``pflseg.train.loop.TaskAborted``: the executor's stop
 check, between training batches) is no failure: no reply and no state of the round are written; the exception goes
 on to the executor. The site claims its state folder for the FLARE job's id (``flare.get_job_id()``). Before
 the site is made and before every task, the site's own policy (``pflseg.flare.policy.check_task``, read from its
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 from nvflare.app_common.abstract.fl_model import FLModel
 
@@ -31,10 +31,9 @@ from pflseg.algorithms.robust import first_nonfinite
 from pflseg.config import check_effective
 from pflseg.data import DataError
 from pflseg.flare.methods import method
+from pflseg.flare.outbox import Outgoing, leave, site_state_root
 from pflseg.flare.policy import check_task
-from pflseg.flare.privacy import Pseudonyms, public_error, write_local_log
 from pflseg.flare.settings import data_source, site_settings
-from pflseg.flare.state import state_dir
 from pflseg.train.loop import TaskAborted
 
 log = logging.getLogger("pflseg.client")
@@ -42,16 +41,17 @@ log = logging.getLogger("pflseg.client")
 
 def answer(name: str, task: str, msg: FLModel, site, job_id: str | None = None):
     """Site ``name``'s reply to ``task``: ``(reply, site)``, ``site`` made on the first message (None when it
-    must be made again, after a data error) for FLARE job ``job_id``. Any exception in a task is an error
-    reply (meta ``pflseg_error``: ``public_error``'s public text plus where the site keeps the detail; the
-    server leaves the site out of that round), never a dead site; the detail (full message, paths, traceback)
-    goes to the site-local log ``<state root>/site_errors.log`` only."""
+    must be made again, after a data error) for FLARE job ``job_id``. The reply leaves through the site's one exit
+    (``pflseg.flare.outbox.leave``), which is also where any exception of the task becomes an error reply (meta
+    ``pflseg_error``: codes and pseudonyms plus where the site keeps the detail; the server leaves the site out of
+    that round), never a dead site; the detail (full message, paths, traceback) goes to the site-local log
+    ``<state root>/site_errors.log`` only. Nothing is added to the reply after it left the exit."""
     store = getattr(site, "store", None)
     state_root = store.root.parent if store is not None else None
     try:
         if site is None:
             cfg, sites = check_effective(msg.meta["pflseg"], "job config sent by the server"), msg.meta["sites"]
-            state_root = _state_root(name)
+            state_root = site_state_root(name)
         else:
             cfg, sites = site.cfg, site.sites
         settings = site_settings(name)  # read again for every task: the site may tighten its policy mid-job
@@ -64,24 +64,17 @@ def answer(name: str, task: str, msg: FLModel, site, job_id: str | None = None):
         refuse_broken(name, task, msg)
         t0 = time.time()
         out = handler(msg)
-        out.metrics = {**(out.metrics or {}), "compute_seconds": time.time() - t0}
-        if isinstance(out.metrics.get("test"), dict):  # results.json and the admin's table name each site's data
-            out.metrics["test"] = {**out.metrics["test"], "data_source": data_source(settings)}
-        return out, site
+        if isinstance(out, Outgoing):  # anything else is refused at the exit
+            out.metrics = {**out.metrics, "compute_seconds": time.time() - t0}
+            if isinstance(out.metrics.get("test"), dict):  # results.json and the admin's table name each site's data
+                out.metrics["test"] = {**out.metrics["test"], "data_source": data_source(settings)}
     except TaskAborted as exc:  # aborted (stop_when): no reply, no state; the site (new or not) goes with it
         exc.site = site
         raise
     except Exception as exc:  # noqa: BLE001 - every failure is a reply, never a dead site
-        if state_root is None:
-            state_root = _state_root(name)
-        pseudonyms = getattr(site, "pseudonyms", None) or Pseudonyms(state_root)
-        error, detail = public_error(exc, name, task, state_root, pseudonyms)
-        where = write_local_log(state_root, error, detail)
-        error += f" (detail in the site's {where})" if where else " (detail: no site-local log could be written)"
-        log.error("%s", error)
-        if isinstance(exc, DataError):
-            site = None  # made again from the next message (the data may be fixed meanwhile)
-    return FLModel(params={}, meta={"pflseg_error": error, "site": name}), site
+        reply = leave(name, task, site=site, error=exc, state_root=state_root)
+        return reply, None if isinstance(exc, DataError) else site  # made again from the next message (data fixed?)
+    return leave(name, task, out, site=site, settings=settings), site
 
 
 def refuse_broken(name: str, task: str, msg: FLModel) -> None:
@@ -91,17 +84,6 @@ def refuse_broken(name: str, task: str, msg: FLModel) -> None:
     if reason:
         raise ValueError(f"site {name}: refusing the model received with task '{task}': {reason} (the server's "
                          "aggregate is broken; nothing of it was loaded)")
-
-
-def _state_root(name: str) -> Path:
-    """The site's state root (errors name paths in it relative to it; its local error log lies in it): from the
-    site's settings, ``PFLSEG_STATE_DIR`` or the working directory (``pflseg.flare.state.state_dir``); an
-    unusable site config counts as none."""
-    try:
-        configured = site_settings(name)["state_dir"]
-    except (DataError, ValueError, OSError, KeyError, TypeError):
-        configured = None
-    return state_dir(name, "_", configured).parent
 
 
 def scalars(out: FLModel) -> list[tuple[str, int | float]]:

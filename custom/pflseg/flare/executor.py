@@ -1,10 +1,10 @@
 """The site executor of every pflseg job: a plain FLARE ``Executor`` that answers each task inside ``execute()``.
 
     execute(task, shareable): FLModel <- shareable; reply, site = client.answer(...); metrics -> analytics events;
-                              shareable <- reply
+                              shareable <- reply   (a failure of these last two: the exit's error reply instead)
 
 ``SiteExecutor`` runs the same site entry point as the Client API script (``pflseg.flare.client.answer``: the
-site's policy, the method's site class, error replies that carry only what may leave the site) without FLARE's
+site's policy, the method's site class, the site's one exit ``pflseg.flare.outbox.leave``) without FLARE's
 Client API machinery around it. That machinery costs a fixed amount every round, whatever the site computes: the
 in-process Client API looks for the script's result every 0.5 s (docs/running.md, "Site executor"; the fixed cost
 per round measured both ways: docs/speed.md). Here the reply is ready the
@@ -53,7 +53,7 @@ from nvflare.app_opt.pt.decomposers import TensorDecomposer
 from nvflare.client.config import ExchangeFormat
 from nvflare.fuel.utils import fobs
 
-from pflseg.flare import client
+from pflseg.flare import client, outbox
 from pflseg.train.loop import TaskAborted, stop_when
 
 log = logging.getLogger("pflseg.client")
@@ -104,8 +104,11 @@ class SiteExecutor(Executor):
             self.log_error(fl_ctx, f"site {name}: task '{task_name}' stopped by {done.get('stopped', 'nothing')}")
             return make_reply(ReturnCode.EXECUTION_EXCEPTION)
         out = done["reply"]
-        self._track(out, msg.current_round or 0, fl_ctx)
-        reply = FLModelUtils.to_shareable(out)
+        try:
+            self._track(out, msg.current_round or 0, fl_ctx)
+            reply = FLModelUtils.to_shareable(out)
+        except Exception as exc:  # noqa: BLE001 - FLARE's own failure leaves through the exit's error-text rule too
+            reply = FLModelUtils.to_shareable(outbox.leave(name, task_name, site=self._site, error=exc))
         current_round = shareable.get_header(AppConstants.CURRENT_ROUND)
         if current_round is not None:
             reply.set_header(AppConstants.CURRENT_ROUND, current_round)

@@ -5,7 +5,15 @@ import math
 import pytest
 import torch
 
-from pflseg.algorithms.dp import add_noise, clip_update, floor_at, privatize, update_norm, zcdp_epsilon
+from pflseg.algorithms.dp import (
+    add_noise,
+    clip_update,
+    floor_at,
+    fresh_generator,
+    privatize,
+    update_norm,
+    zcdp_epsilon,
+)
 
 
 def update():
@@ -66,6 +74,15 @@ def test_same_seed_same_noise_other_seed_other_noise():
     c, _ = privatize(update(), 1.0, 1.0, gen(43))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["a"], c["a"])
+
+
+def test_fresh_generators_draw_independent_noise_of_the_configured_std():
+    sigma, clip = 0.8, 0.5
+    zeros = {"w": torch.zeros(200_000)}
+    a, _ = privatize(zeros, clip, sigma, fresh_generator())
+    b, _ = privatize(zeros, clip, sigma, fresh_generator())
+    assert float(a["w"].std()) == pytest.approx(sigma * clip, rel=0.01)
+    assert float(torch.corrcoef(torch.stack([a["w"], b["w"]]))[0, 1]) == pytest.approx(0.0, abs=0.01)  # se 0.0022
 
 
 def test_noise_keeps_dtype():

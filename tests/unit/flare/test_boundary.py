@@ -459,15 +459,20 @@ def test_any_exception_in_a_task_becomes_an_error_reply(exc, caplog, tmp_path, m
 
 
 def test_an_actionable_error_is_an_error_reply_naming_the_site(caplog, tmp_path, monkeypatch):
+    from pflseg.config import ConfigError
     from pflseg.flare.client import answer
 
     monkeypatch.setenv("PFLSEG_STATE_DIR", str(tmp_path))
-    site = FakeSite(ValueError("train.lr must be > 0"))
+    site = FakeSite(ConfigError("train.lr must be > 0"))  # pflseg's own words leave
     with caplog.at_level(logging.ERROR, logger="pflseg.client"):
         out, kept = answer("site-1", "train", FLModel(params={}, meta={}), site)
     assert kept is site and out.meta["pflseg_error"] == (
         "site site-1: train.lr must be > 0 (detail in the site's <state>/site_errors.log)")
     assert "train.lr must be > 0" in caplog.text
+    # the same words raised by anyone else (a library, this test's own code): its type only
+    out, _ = answer("site-1", "train", FLModel(params={}, meta={}), FakeSite(ValueError("train.lr must be > 0")))
+    assert out.meta["pflseg_error"] == (
+        "site site-1: task 'train' failed: ValueError (detail in the site's <state>/site_errors.log)")
 
 
 def test_a_job_config_with_a_bad_name_is_an_error_reply_at_the_site(tmp_path, monkeypatch):

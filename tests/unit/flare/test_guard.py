@@ -237,11 +237,13 @@ def test_a_non_finite_aggregate_keeps_the_previous_global_model(tmp_path, monkey
 
 def test_a_site_refuses_a_non_finite_received_model_naming_the_key(tmp_path):
     from pflseg.flare.client import answer
+    from pflseg.flare.outbox import Outgoing
+    from pflseg.flare.privacy import Pseudonyms
 
     trained = []
-    site = SimpleNamespace(tasks=lambda: {"train": lambda msg: trained.append(msg) or FLModel(params={}, metrics={})},
+    site = SimpleNamespace(tasks=lambda: {"train": lambda msg: trained.append(msg) or Outgoing(params={}, metrics={})},
                            store=SimpleNamespace(root=tmp_path / "state" / "job"), cfg=load_job_config("fedavg"),
-                           sites=["site-1", "site-2", "site-3"])
+                           sites=["site-1", "site-2", "site-3"], pseudonyms=Pseudonyms(tmp_path / "state"), job_id=None)
     msg = FLModel(params={"global.conv.weight": torch.tensor([1.0, math.nan])}, meta={})
     out, kept = answer("site-1", "train", msg, site)
     assert not trained and kept is site

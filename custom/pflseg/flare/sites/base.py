@@ -7,7 +7,8 @@ The round skeleton (``Site.run_round``; task ``train`` runs it with the method's
     prev = previous(r)                         # the site's latest completed state ({} in round 0); the one
                                                #   "no state before round r" error when the method ``keeps`` one
     send, keep, metrics, n = step(received, prev, seed)  # the method's round; ``training_time`` marks its training
-    save keep as round r's state; reply(send, metrics + train_seconds, n)  # privacy.update applies to send
+    save keep as round r's state; reply(send, metrics + train_seconds, n)  # the Outgoing; the site's one exit
+                                                                           #   (pflseg.flare.outbox) sends it
 
 The default ``step`` (FedAvg and the methods built like it: FedProx, FedBN, Local, FT, GRACE, Centralized)::
 
@@ -24,14 +25,14 @@ disk (``pflseg.flare.state``), so results do not depend on the simulator's threa
 A round starts from the site's latest completed state, not necessarily the previous round's: a site left
 out of a round (slow, failed, disk full) is sent the next round's task again and continues from what it
 last completed; an unreadable state file (truncated) is named in the log and the round before it is used.
-Run in FLARE, the site claims its state folder for the job's id (``pflseg.flare.state.claim``). What a reply
-may carry besides the method's models is in ``pflseg.flare.privacy``.
+Run in FLARE, the site claims its state folder for the job's id (``pflseg.flare.state.claim``). A task returns an
+``Outgoing`` (``reply``), never a reply of its own: the site's one exit (``pflseg.flare.outbox.leave``) applies the
+site's policy, the privacy path (``pflseg.flare.privacy``: public metrics, ``privacy.update``'s diff, clip and DP
+noise) and the error-text rule.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -39,13 +40,13 @@ from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
-from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+from nvflare.app_common.abstract.fl_model import FLModel
 from torch.utils.data import ConcatDataset
 
-from pflseg.algorithms.dp import floor_at, privatize
 from pflseg.data import DataError, load_dataset_info, pooled_dataset, site_dataset
 from pflseg.data.check import empty_split_error
-from pflseg.flare.privacy import Pseudonyms, public_error, public_metrics, write_local_log
+from pflseg.flare.outbox import Outgoing
+from pflseg.flare.privacy import Pseudonyms, public_text, report_local
 from pflseg.flare.settings import resolve_data, site_settings
 from pflseg.flare.state import (
     RoundStore,
@@ -85,7 +86,7 @@ def cpu_state(model: torch.nn.Module) -> dict:
 class Step(NamedTuple):
     """What a method's round step hands the skeleton (``Site.run_round``)."""
 
-    send: dict  # what the site sends (``reply``: privacy.update applies to it)
+    send: dict  # what the site sends (``reply``; the site's exit applies privacy.update to it)
     keep: dict  # the site's state of this round, saved on disk (``RoundStore``); unused by tasks without state
     metrics: dict  # the round's metrics; the skeleton adds ``train_seconds``
     n_samples: int | None  # the update's weight n_k; None: the reply is no model update
@@ -119,7 +120,7 @@ class Site:
         return None
 
     def __init__(self, name: str, cfg: dict, sites: list[str], job_id: str | None = None):
-        self.name, self.cfg, self.sites = name, cfg, sites
+        self.name, self.cfg, self.sites, self.job_id = name, cfg, sites, job_id
         self.settings = site_settings(name)
         self.device = pick_device(self.settings["device"])
         if self.settings["threads"]:
@@ -178,8 +179,7 @@ class Site:
             try:
                 parts.append(self.data(split))
             except DataError as exc:  # FLARE's log gets codes and pseudonyms; the detail stays in the site-local log
-                public, detail = public_error(exc, self.name, "all_images", self.store.root.parent, self.pseudonyms)
-                write_local_log(self.store.root.parent, public, detail)
+                public = report_local(exc, self.name, "all_images", self.store.root.parent, self.pseudonyms)
                 log.info("site %s: without split %s (%s)", self.name, split, public)
         if not parts:
             raise DataError(f"site {self.name}: no images in {self.root / self.data_site}; add the site's images")
@@ -196,15 +196,15 @@ class Site:
         return {"train": self.train, "validate": self.validate, "test": self.test}
 
     # ---- the round skeleton ---------------------------------------------------------------------
-    def train(self, msg: FLModel) -> FLModel:
+    def train(self, msg: FLModel) -> Outgoing:
         """Task ``train``: the round skeleton with the method's ``step``."""
         return self.run_round(msg, self.step)
 
-    def run_round(self, msg: FLModel, step: Callable[[FLModel, dict, int], Step], state: bool = True) -> FLModel:
+    def run_round(self, msg: FLModel, step: Callable[[FLModel, dict, int], Step], state: bool = True) -> Outgoing:
         """The round skeleton: round ``r = msg.current_round`` seeded from (seed, site, r), ``step(msg, prev, seed)``
         run on the site's state before round ``r`` (``previous``), the time spent in its ``training_time`` reported
         as ``train_seconds``, its ``keep`` saved as the site's state of round ``r``, its ``send`` and metrics
-        replied (``reply``: privacy.update applies).
+        replied (``reply``; the site's exit applies privacy.update).
 
         A fresh job (not ``resume``) clears the site's old state at round 0. ``state=False``: a task outside the
         rounds' state (FedSM-extra's selector rounds, FT's fine-tuning): no previous state (``prev`` = {}), nothing
@@ -265,7 +265,8 @@ class Site:
                 state = self.store.load(done)
             except StateError as exc:
                 if ("bad", r, done) not in self._told:
-                    log.warning("site %s: %s; falling back to the round before it", self.name, exc)
+                    log.warning("site %s: %s; falling back to the round before it", self.name,
+                                public_text(str(exc), self.store.root.parent, self.pseudonyms))
                     self._told.add(("bad", r, done))
                 error = error or exc
                 continue
@@ -357,73 +358,19 @@ class Site:
         return stats, optimizer.state_dict()
 
     def reply(self, params: dict, metrics: dict, n_samples: int | None = None, received: FLModel | None = None,
-              **meta) -> FLModel:
-        """The site's answer: ``params`` (what the method sends), ``metrics`` made fit to leave the site
-        (``pflseg.flare.privacy.public_metrics``: no per-case entries unless ``privacy.per_case``, no paths).
-
-        A model update (``n_samples`` given) passes ``received``, the task message it answers: with
-        ``privacy.update`` set (``send: diff``, ``dp.clip``) the update is taken against it (``private_update``).
+              **meta) -> Outgoing:
+        """What the site would send: ``params`` (the method's tensors), ``metrics`` and ``meta`` as an ``Outgoing``,
+        which leaves through the site's one exit (``pflseg.flare.outbox.leave``: the site's policy, public metrics,
+        ``privacy.update``; the error-text rule). A model update gives ``n_samples`` (its weight n_k) and
+        ``received``, the task message it answers (``privacy.update``'s diff, clip and noise are taken against it).
         """
-        metrics = public_metrics(metrics, self.cfg["privacy"]["per_case"], self.pseudonyms, self.store.root.parent)
-        meta = {**meta, "site": self.name}
-        if n_samples is not None:
-            meta["NUM_STEPS_CURRENT_ROUND"] = n_samples
-            params, kind = self.private_update(params, received)
-            return FLModel(params=params, params_type=kind, metrics=metrics, meta=meta)
-        return FLModel(params=params, metrics=metrics, meta=meta)
+        return Outgoing(params, metrics, n_samples, received, meta)
 
     #: Prefixes of the model weights the server aggregates (the global model; FedSM's personalized models, mixed by
-    #: SoftPull): the keys ``privacy.update.dp`` clips and noises. Anything else a method sends (FedSM's selector,
-    #: its Adam moments, gradients or LDA statistics; LC-Fed's coarse head) goes as it is.
+    #: SoftPull): the keys ``privacy.update.dp`` clips and noises (``pflseg.flare.privacy.private_update``). Anything
+    #: else a method sends (FedSM's selector, its Adam moments, gradients or LDA statistics; LC-Fed's coarse head)
+    #: goes as it is.
     dp_prefixes: tuple[str, ...] = ("global.", "person.")
-
-    def private_update(self, params: dict, received: FLModel | None) -> tuple[dict, ParamsType]:
-        """``params`` as ``privacy.update`` says they leave the site, and their FLARE kind.
-
-        Defaults (``send: weights``, ``dp.clip: null``): ``params`` unchanged, ``ParamsType.FULL``. Otherwise every
-        key the site also received (same shape) becomes an update u = sent - received; with ``dp.clip`` C the update
-        of the ``dp_prefixes`` keys is clipped to L2 norm C and, with ``dp.noise_multiplier`` sigma, N(0, (sigma C)^2)
-        is added per float coordinate (``pflseg.algorithms.dp.privatize``; integer buffers untouched; batch norm's
-        running variances then floored so that received + u >= 0). The noise is seeded per round from the site's
-        secret salt (``dp_generator``): reproducible at the site, unknown to the server. ``send: diff`` sends the
-        updates (keys not received as they are: an update against zero) with ``ParamsType.DIFF``, FLARE's
-        WEIGHT_DIFF, which the server adds back to what it sent (``pflseg.flare.controllers.base.add_diff``) and
-        FLARE's filters expect; ``send: weights`` sends received + u for the clipped keys, the rest as trained.
-        """
-        upd = self.cfg["privacy"]["update"]
-        dp = upd["dp"]
-        if upd["send"] == "weights" and dp["clip"] is None:
-            return params, ParamsType.FULL
-        if received is None:
-            raise RuntimeError(f"site {self.name}: this method's reply does not pass the model it received, so "
-                               "privacy.update (send: diff, dp) cannot apply; set privacy.update to its defaults")
-        sent = received.params or {}
-        common = {k for k, v in params.items() if torch.is_tensor(v) and torch.is_tensor(sent.get(k))
-                  and sent[k].shape == v.shape}
-        update = {k: (params[k] - sent[k].to(params[k].device)) if k in common else params[k] for k in params}
-        if dp["clip"] is not None:
-            covered = sorted(k for k in params if k.startswith(self.dp_prefixes))
-            unsent = [k for k in covered if k not in common]
-            if unsent:
-                raise RuntimeError(f"site {self.name}: '{unsent[0]}' was not received in this task, so its update "
-                                   "cannot be clipped and noised (privacy.update.dp)")
-            private, norm = privatize({k: update[k] for k in covered}, dp["clip"], dp["noise_multiplier"],
-                                      self.dp_generator(received.current_round))
-            private = floor_at(private, sent, self.running_variances())
-            log.debug("site %s: update norm %.4g clipped to %g", self.name, norm, dp["clip"])
-            update.update(private)
-            if upd["send"] == "weights":
-                params = {**params, **{k: (sent[k] + private[k]).to(params[k].dtype) for k in covered}}
-        if upd["send"] == "diff":
-            return update, ParamsType.DIFF
-        return params, ParamsType.FULL
-
-    def dp_generator(self, round_num: int | None) -> torch.Generator:
-        """The noise source of round ``round_num``: seeded by an HMAC of (job, seed, round) under the site's
-        pseudonym salt (``<state root>/privacy_salt``), which never leaves the site."""
-        text = f"dp-noise/{self.cfg['name']}/{self.cfg['seed']}/{round_num}".encode()
-        seed = int.from_bytes(hmac.new(self.pseudonyms.salt(), text, hashlib.sha256).digest()[:8], "big")
-        return torch.Generator().manual_seed(seed)
 
     def running_variances(self) -> list[str]:
         """Keys of batch norm's running variances under every ``dp_prefixes`` prefix (found by module type)."""
@@ -453,14 +400,14 @@ class Site:
         return {}
 
     # ---- after training -------------------------------------------------------------------------
-    def validate(self, msg: FLModel) -> FLModel:
+    def validate(self, msg: FLModel) -> Outgoing:
         """Score the model the site would use now (made from the received final global model and, if the site
         ``keeps`` part of it, its latest state) and track it."""
         r = msg.current_round
         model = self.model_for_round(msg.params, self.previous(r) if self.keeps else {})
         return self.reply({}, {"val_dice": self.track(model, r)["dice"]})
 
-    def test(self, msg: FLModel) -> FLModel:
+    def test(self, msg: FLModel) -> Outgoing:
         """Test metrics of the server's selected global model (if the method has one; with ``train.adabn`` also
         ``global_adabn``, see ``adabn``) and of the site's best own model; overlays of the best and worst test
         cases of the model the tables report for this site (own best if ``personalized``, else the global model)
@@ -501,6 +448,6 @@ class Site:
             return write_overlays(model, self.data("testing"), self.device, self.store.root / "overlays",
                                   scored["per_case"], site=self.name, amp=self.cfg["train"]["amp"])
         except Exception as exc:  # noqa: BLE001 - the test metrics matter more than the pictures
-            logging.getLogger("pflseg.site").warning("site %s: no overlays written (%s: %s)", self.name,
-                                                     type(exc).__name__, exc)
+            public = report_local(exc, self.name, "overlays", self.store.root.parent, self.pseudonyms)
+            logging.getLogger("pflseg.site").warning("site %s: no overlays written (%s)", self.name, public)
             return []

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from nvflare.app_common.abstract.fl_model import FLModel
 
+from pflseg.flare.outbox import Outgoing
 from pflseg.flare.settings import site_settings
 from pflseg.flare.sites.base import Site
 from pflseg.flare.state import inside, load_file, prefixed, state_dir, unprefixed
@@ -48,7 +49,7 @@ class CrossSiteSite(Site):
         roots = [Path(p) for p in os.environ.get("PFLSEG_BUNDLE_ROOTS", "").split(os.pathsep) if p]
         return beside if any(inside(beside, root) for root in roots) else own
 
-    def own_model(self, msg: FLModel) -> FLModel:
+    def own_model(self, msg: FLModel) -> Outgoing:
         job = str(msg.meta["trained_job"])
         path = self.trained_folder(job, str(msg.meta.get("bundle") or "")) / "best.pt"
         if not path.is_file():
@@ -64,7 +65,7 @@ class CrossSiteSite(Site):
             return self.reply(prefixed("site", model), {"own": scores}, published=1)
         return self.reply({}, {"own": scores}, published=0, why=why)
 
-    def score(self, msg: FLModel) -> FLModel:
+    def score(self, msg: FLModel) -> Outgoing:
         names = list(msg.meta["models"])
         out = {m: self.scores(unprefixed("global" if m == "global" else f"person.{m}", msg.params)) for m in names}
         return self.reply({}, {"scores": out})

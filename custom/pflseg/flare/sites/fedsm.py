@@ -52,6 +52,7 @@ from pflseg.algorithms.fedsm import (
     unflatten_optimizer_state,
 )
 from pflseg.data import load_dataset_info
+from pflseg.flare.outbox import Outgoing
 from pflseg.flare.sites.base import Site, Step, cpu_state
 from pflseg.flare.state import prefixed, unprefixed
 from pflseg.infer.fedsm import evaluate_super_model
@@ -212,7 +213,7 @@ class FedSMSite(Site):
         params = {**prefixed("select", cpu_state(selector)), **prefixed("moment", moments)}
         return params, {"selector_loss": stats["loss"], **local}
 
-    def train_selector(self, msg: FLModel) -> FLModel:
+    def train_selector(self, msg: FLModel) -> Outgoing:
         """Task ``train_selector`` (FedSM-extra): the round skeleton, outside the rounds' state, with
         ``selector_step``."""
         return self.run_round(msg, self.selector_step, state=False)
@@ -240,7 +241,7 @@ class FedSMSite(Site):
             params, sel_metrics = self.fit_selector(selector, labels_of, received, seed)
         return Step(params, {}, {**scored, **sel_metrics}, len(self.data("training")))
 
-    def validate(self, msg: FLModel) -> FLModel:
+    def validate(self, msg: FLModel) -> Outgoing:
         """The global model scored for the server's choice; the personalized model tracked as the site's own; the
         final selector, when sent (FedSM's K-class one: labels are the site's index in the federation's site
         order, as in training), scored as in a round (a candidate for the server's best selector)."""
@@ -259,7 +260,7 @@ class FedSMInferenceSite(Site):
     def tasks(self) -> dict:
         return {"infer": self.infer}
 
-    def infer(self, msg: FLModel) -> FLModel:
+    def infer(self, msg: FLModel) -> Outgoing:
         """Route every test image through the selector, score global / own personalized / super model for
         every gamma, write predictions."""
         inside = list(msg.meta["inside_sites"])

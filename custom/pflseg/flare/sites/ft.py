@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from nvflare.app_common.abstract.fl_model import FLModel
 
+from pflseg.flare.outbox import Outgoing
 from pflseg.flare.sites.base import Step
 from pflseg.flare.sites.fedavg import FedAvgSite
 from pflseg.train import derive_seed, seed_everything
@@ -17,7 +18,7 @@ class FTSite(FedAvgSite):
     def tasks(self) -> dict:
         return {**super().tasks(), "finetune": self.finetune}
 
-    def finetune(self, msg: FLModel) -> FLModel:
+    def finetune(self, msg: FLModel) -> Outgoing:
         """Task ``finetune``: the round skeleton, outside the rounds' state, with ``finetune_step``."""
         return self.run_round(msg, self.finetune_step, state=False)
 

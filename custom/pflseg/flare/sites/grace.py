@@ -20,6 +20,7 @@ from nvflare.app_common.abstract.fl_model import FLModel
 
 from pflseg.algorithms.alignment import DomainDiscriminator, adversarial_alignment, coral, mmd
 from pflseg.algorithms.grace_meta import feature_layer, meta_step, unet_features
+from pflseg.flare.outbox import Outgoing
 from pflseg.flare.sites.fedavg import FedAvgSite
 from pflseg.flare.state import unprefixed
 from pflseg.nets import build_net
@@ -71,7 +72,7 @@ class GraceSite(FedAvgSite):
             out["align_loss"] = self.inner["align_loss_sum"] / n
         return out
 
-    def validate(self, msg: FLModel) -> FLModel:
+    def validate(self, msg: FLModel) -> Outgoing:
         """The final global model, scored for the server's choice; a candidate for the site's personalized model
         only with ``grace.final_global_candidate``."""
         if self.cfg["grace"]["final_global_candidate"]:

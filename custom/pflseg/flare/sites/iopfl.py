@@ -23,6 +23,7 @@ from nvflare.app_common.abstract.fl_model import FLModel
 
 from pflseg.algorithms.iopfl import update_person
 from pflseg.data import load_dataset_info, site_dataset
+from pflseg.flare.outbox import Outgoing
 from pflseg.flare.policy import check_publish
 from pflseg.flare.settings import site_settings
 from pflseg.flare.sites.base import Site, Step, cpu_state
@@ -69,17 +70,17 @@ class IOPFLSite(Site):
         keep = {"optim.model": optim, **prefixed("person", person), **prefixed("globalin", glob)}
         return Step(prefixed("global", local), keep, metrics, stats["samples"])
 
-    def validate(self, msg: FLModel) -> FLModel:
+    def validate(self, msg: FLModel) -> Outgoing:
         """Score the global model only (the best P_k is tracked during training, by validation Dice)."""
         return self.reply({}, {"val_dice": self.evaluate(self.model_for_round(msg.params, {}))["dice"]})
 
-    def submit_model(self, msg: FLModel) -> FLModel:
+    def submit_model(self, msg: FLModel) -> Outgoing:
         """The site's best P_k (by validation Dice), for the routing bundle: only when the job publishes it
         (``iopfl.publish``) and the site's policy lets it leave (``pflseg.flare.policy.check_publish``)."""
         check_publish(self.name, self.cfg, site_settings(self.name))
         best = load_file(self.best_path)
-        return FLModel(params=prefixed("site", unprefixed("model", best)),
-                       meta={"site": self.name, "round": best["round"], "fg_fraction": self.label_fraction()})
+        return self.reply(prefixed("site", unprefixed("model", best)), {}, round=best["round"],
+                          fg_fraction=self.label_fraction())
 
     def label_fraction(self) -> list[float]:
         """Per class, the foreground fraction of the site's training labels (every slice of its training cases):
@@ -95,7 +96,7 @@ class IOPFLRoutingSite(Site):
     def tasks(self) -> dict:
         return {"route": self.route}
 
-    def route(self, msg: FLModel) -> FLModel:
+    def route(self, msg: FLModel) -> Outgoing:
         inside = list(msg.meta["inside_sites"])
         if self.name in inside:
             raise ValueError(f"site {self.name} trained in the federation: test-time routing is for outside sites; "

@@ -25,6 +25,7 @@ import torch
 from nvflare.app_common.abstract.fl_model import FLModel
 
 from pflseg.algorithms.lcfed import SitePredictor, exchanges_heads, lcfed_step, set_phase
+from pflseg.flare.outbox import Outgoing
 from pflseg.flare.sites.base import Site, Step, cpu_state
 from pflseg.flare.state import load_file, prefixed, unprefixed
 from pflseg.nets.lcfed import shared_keys
@@ -131,7 +132,7 @@ class LCFedSite(Site):
                    "n_samples": stats["samples"], "steps": stats["steps"]}
         return Step(send, {"optim.model": optim, **prefixed("model", trained)}, metrics, stats["samples"])
 
-    def test(self, msg: FLModel) -> FLModel:
+    def test(self, msg: FLModel) -> Outgoing:
         """The site's best model by validation (with the other sites' heads it was chosen with) on its test
         split; with HC also its coarse head alone (``site_coarse``). Overlays of its best and worst test cases (the
         reported model, calibrated heads included) go to ``<state>/overlays/``, as for every other method."""

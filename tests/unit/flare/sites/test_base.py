@@ -33,7 +33,7 @@ def test_run_round_saves_what_the_step_keeps_and_times_only_its_training(federat
         return Step({"global.w": received.params["global.w"] + 1}, {"note": 7}, {"val_dice": 0.5}, 3)
 
     out = site.run_round(fed.message(0, {"global.w": torch.zeros(1)}), step)
-    assert seen["prev"] == {} and out.meta["NUM_STEPS_CURRENT_ROUND"] == 3 and float(out.params["global.w"]) == 1.0
+    assert seen["prev"] == {} and out.n_samples == 3 and float(out.params["global.w"]) == 1.0
     assert fed.store().load(0) == {"round": 0, "note": 7}
     assert out.metrics["val_dice"] == 0.5 and 0 <= out.metrics["train_seconds"] < 0.05
     out = site.run_round(fed.message(1, {"global.w": torch.zeros(1)}), step)
@@ -51,7 +51,7 @@ def test_a_task_outside_the_rounds_state_reads_and_saves_none(federation):
         return Step({}, {"note": 1}, {}, None)
 
     out = site.run_round(fed.message(1), step, state=False)
-    assert seen["prev"] == {} and fed.store().rounds() == [0] and "NUM_STEPS_CURRENT_ROUND" not in out.meta
+    assert seen["prev"] == {} and fed.store().rounds() == [0] and out.n_samples is None
 
 
 @pytest.mark.parametrize("method, keeps", [("fedbn", "its normalisation layers"), ("local", "its model"),

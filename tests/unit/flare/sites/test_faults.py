@@ -80,7 +80,8 @@ def test_a_truncated_round_file_falls_back_to_the_round_before_with_a_log_line(f
         assert equal(model.state_dict(), own_model(fed, 0), norm)
         out, site = answer("site-1", "train", fed.message(2), site)
     assert "pflseg_error" not in out.meta and out.metrics["val_dice"] >= 0
-    assert f"state file {path} is corrupt" in caplog.text and "falling back to the round before it" in caplog.text
+    assert "state file <state>/fedbn/round_0001.pt is corrupt" in caplog.text  # FLARE's log: no absolute path
+    assert "falling back to the round before it" in caplog.text and str(path) not in caplog.text
 
 
 def test_a_truncated_only_round_file_is_an_error_reply_naming_it(federation):

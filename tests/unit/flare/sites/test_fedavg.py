@@ -11,7 +11,7 @@ def test_fedavg_sends_the_whole_trained_model_and_keeps_its_optimizer(federation
     fed = federation("fedavg")
     out = fed.site().train(fed.message(0))
     assert keys_of(out.params, "global") == set(fed.initial) and set(out.params) == {f"global.{k}" for k in fed.initial}
-    assert out.meta["NUM_STEPS_CURRENT_ROUND"] == out.metrics["n_samples"] > 0
+    assert out.n_samples == out.metrics["n_samples"] > 0  # n_k (the exit sends it as NUM_STEPS_CURRENT_ROUND)
     assert any(not torch.equal(out.params[f"global.{k}"], v) for k, v in fed.initial.items())  # it trained
     saved = fed.store().load(0)
     assert "optim.model" in saved and keys_of(saved, "model") == set(fed.initial)

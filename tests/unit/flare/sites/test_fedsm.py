@@ -107,7 +107,7 @@ def test_extra_selector_round_fits_the_k_plus_one_class_selector(federation, mod
         assert out.params["stats.sum"].shape == (3, 128) and out.params["stats.count"].sum() == n
     else:
         assert keys_of(out.params, "grad") == set(selector)
-    assert 0.0 <= out.metrics["selector_val_acc"] <= 1.0 and out.meta["NUM_STEPS_CURRENT_ROUND"] == n
+    assert 0.0 <= out.metrics["selector_val_acc"] <= 1.0 and out.n_samples == n
 
 
 def test_infer_sends_validation_distances_inside_and_falls_back_outside_when_given_tau(federation):

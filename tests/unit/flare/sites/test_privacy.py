@@ -9,7 +9,7 @@ import pytest
 from nvflare.app_common.abstract.fl_model import FLModel
 
 from pflseg.flare.client import answer
-from pflseg.flare.privacy import public_text
+from pflseg.flare.privacy import Pseudonyms, public_text
 from pflseg.flare.state import prefixed
 from pflseg.nets.selector import build_selector, selector_cfg
 from tests.unit.flare.sites.conftest import SITES
@@ -210,14 +210,28 @@ def test_an_error_reply_holds_no_absolute_path(federation, tmp_path):
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("state file /srv/pflseg/state/site-1/fedbn/round_0001.pt is corrupt", "state file .../round_0001.pt is corrupt"),
-    ("image '/data/hospital/Case07.nii.gz' unreadable", "image '.../Case07.nii.gz' unreadable"),
-    ("data root C:\\data\\site (from env)", "data root .../site (from env)"),
-    ("~/data/x.png missing", ".../x.png missing"),
-    ("relative imagesTr/case1.nii.gz and 3/4 and a / b stay", "relative imagesTr/case1.nii.gz and 3/4 and a / b stay"),
+    ("state file /srv/pflseg/state/site-1/fedbn/round_0001.pt is corrupt", "state file <file> is corrupt"),
+    ("image '/data/hospital/Case07.nii.gz' unreadable", "image '<file>' unreadable"),
+    ("data root C:\\data\\site (from env)", "data root <file> (from env)"),
+    ("~/data/x.png missing", "<file> missing"),
+    ("relative imagesTr/case1.nii.gz and 3/4 and a / b stay", "relative <file> and 3/4 and a / b stay"),
+    ("No such file or directory: '/data/John Smith MRN4711.png'", "No such file or directory: '<file>'"),
+    ("bare Smith_John_MRN4711_1960-01-01.png.", "bare <file>."),
+    ("train.lr=0.1 must be > 0; 10 img/s, ~3x, 'global.conv.weight'", "train.lr=0.1 must be > 0; 10 img/s, ~3x, "
+                                                                       "'global.conv.weight'"),
 ])
-def test_public_text_keeps_the_last_component_of_absolute_paths(text, expected):
+def test_public_text_hides_paths_and_data_file_names(text, expected):
     assert public_text(text) == expected
+
+
+def test_public_text_names_hidden_files_by_pseudonyms_the_site_log_can_resolve(tmp_path):
+    named = {}
+    text = public_text("cannot identify image file '/data/Smith_John_MRN4711_1960-01-01.png' (and x.nii.gz)",
+                       tmp_path / "site-1", Pseudonyms(tmp_path / "site-1"), named)
+    assert re.fullmatch(r"cannot identify image file 'file-[0-9a-f]{16}' \(and file-[0-9a-f]{16}\)", text), text
+    assert sorted(named.values()) == ["/data/Smith_John_MRN4711_1960-01-01.png", "x.nii.gz"]
+    again = public_text("'/data/Smith_John_MRN4711_1960-01-01.png'", None, Pseudonyms(tmp_path / "site-1"))
+    assert again.strip("'") in named  # the same file, the same pseudonym
 
 
 def test_public_text_names_state_paths_relative_to_the_state_root(tmp_path):
