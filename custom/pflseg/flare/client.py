@@ -4,7 +4,7 @@ Every job's sites answer through it: FLARE's plain executor ``pflseg.flare.execu
 ``execute()`` (the default), and ``main`` is the Client API script around it (config ``site.executor:
 client_api``)::
 
-    flare.init(); while flare.is_running(): model = flare.receive(); site.tasks()[task](model); flare.send()
+    flare.init(); while flare.is_running(): model = flare.receive(); flare.send(answer(name, task, model, site))
 
 The job's configuration arrives from the server in ``meta["pflseg"]``; the method's site class
 (``pflseg.flare.methods``) answers the tasks its method has. A failing task, whatever the exception,
