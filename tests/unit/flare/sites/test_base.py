@@ -1,6 +1,7 @@
 """The round skeleton every site trains through (``Site.run_round``): seed, previous state, timing, save, reply."""
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,18 @@ SITE_CLASSES = sorted({m.site for m in METHODS.values()} | {FedSMInferenceSite, 
 def test_no_site_class_copies_the_skeleton_or_changes_what_track_means(cls):
     for name in ("train", "run_round", "previous", "track", "training_time", "reply"):
         assert getattr(cls, name) is getattr(Site, name), f"{cls.__name__} overrides Site.{name}"
+
+
+def test_only_the_sites_one_exit_makes_a_reply():
+    """Issue 40 item 3: no site class builds a reply (an FLModel) itself; tasks return ``Outgoing``, and
+    ``pflseg.flare.outbox.leave`` alone makes what FLARE sends."""
+    import pflseg.flare.sites as sites_package
+    from pflseg.flare import client, executor, outbox
+
+    folder = Path(sites_package.__file__).parent
+    assert [p.name for p in folder.glob("*.py") if "FLModel(" in p.read_text()] == []
+    assert "FLModel(" not in Path(client.__file__).read_text() and "FLModel(" not in Path(executor.__file__).read_text()
+    assert "FLModel(" in Path(outbox.__file__).read_text()
 
 
 def test_run_round_saves_what_the_step_keeps_and_times_only_its_training(federation):
