@@ -358,9 +358,9 @@ class Bench:
                 col = table.setdefault(column.label, {})
                 for seed in self.seeds:
                     res, names = self.results(seed, "inside", column.job), self.names(seed, "inside", column.job)
-                    for sim_site in res["test"]:
-                        if names[sim_site] in self.inside:
-                            col.setdefault(names[sim_site], []).append(site_test(column, res, sim_site).dice)
+                    for sim_site, site in names.items():  # the run's sites, in order
+                        if site in self.inside:
+                            col.setdefault(site, []).append(site_test(column, res, sim_site).dice)
         return table
 
     def inside_cases(self) -> dict:

@@ -222,3 +222,20 @@ def test_runs_side_by_side_run_each_job_once_a_post_training_run_after_its_train
     assert [(t["seed"], t["fold"], t["job"]) for t in bench.timings] == plan
     for seed in (0, 1):  # each post-training run started after the run it reads had finished
         assert bench.results(seed, "inside", "fedsm")["run"] < bench.results(seed, "inside", "fedsm_infer")["run"]
+
+
+def test_the_inside_table_reads_a_post_training_run_through_its_column(tmp_path, monkeypatch):
+    """FedSM's super model comes from the inference job's results, which have no per-site "test" metrics; the
+    inference job also reached the outside site, which the inside table leaves out."""
+    root = make_synthetic(tmp_path / "root", n_sites=4, cases=3, size=16, depth=2)
+    bench = Bench(tmp_path / "ws", data=root, methods=["fedsm"], seeds=[0], holdout=["site-4"], rounds=1,
+                  outside=False, progress=lambda m: None)
+    infer = {s: {"n_cases": 2, "n_images": 4, "global": {"dice": 0.1}, "super": {"0.0": {"dice": d}}}
+             for s, d in (("site-1", 0.5), ("site-2", 0.6), ("site-3", 0.7), ("site-4", 0.2))}
+    runs = {"fedsm": {"test": {s: {"site": {"dice": 0.4}} for s in ("site-1", "site-2", "site-3")}},
+            "fedsm_infer": {"infer": infer, "gamma_selected": 0.0}}
+    monkeypatch.setattr(bench, "results", lambda seed, fold, job: runs[job])
+    monkeypatch.setattr(bench, "names", lambda seed, fold, job: {s: s for s in (runs[job].get("test") or infer)})
+    table = bench.inside_values()
+    assert table["FedSM super"] == {"site-1": [0.5], "site-2": [0.6], "site-3": [0.7]}
+    assert table["FedSM personalized"] == {"site-1": [0.4], "site-2": [0.4], "site-3": [0.4]}
