@@ -10,7 +10,8 @@ Every reply of a site leaves through one exit, ``pflseg.flare.outbox.leave``, wh
 - ``predictions`` (where a site wrote its predicted masks) becomes ``"written at the site: <job>/predictions"``,
   relative to the site's state root.
 - every other string loses its paths and data file names (``public_text``): a path inside the site's state root
-  becomes ``<state>/<relative path>`` (a data file's name in it a pseudonym); any other absolute path, a relative
+  becomes ``<state>/<relative path>`` (a data file's name in it a pseudonym); a path to one of pflseg's own files
+  (``OWN_FILE``: ``pflseg_site.json``, ``datalist.json``, ...) ``.../<name>``; any other absolute path, a relative
   path to a data file and a bare data file name (``.png``, ``.nii.gz``, ... : ``DATA_FILE``) become ``file-<hmac>``
   pseudonyms. The site's own log keeps the full text.
 
@@ -71,6 +72,9 @@ _TOKEN = re.compile(rf"(?:<state>)?[^{_STOP}]+")
 #: a data file's name: images, masks, volumes, arrays (what a site's file names, i.e. patients, hide in)
 DATA_FILE = re.compile(r"\.(nii(\.gz)?|gz|png|jpe?g|bmp|tiff?|gif|webp|dcm|dicom|ima|mha|mhd|nrrd|nhdr|npy|npz|h5|"
                        r"hdf5?|mat|raw|img|hdr|zip|tar)$", re.IGNORECASE)
+#: pflseg's own files, named by it (an absolute path to one is sent as ``.../<name>``, its folders hidden)
+OWN_FILE = re.compile(r"^(pflseg_site\.json|datalist\.json|dataset\.json|site_errors\.log|privacy_salt|resources\.json"
+                      r"|round_\d+\.pt|best\.pt|final\.pt|results\.json)$")
 #: an absolute path (``/a``, ``\\\\host``, ``~/a``; a Windows drive's ``C:`` is cut off at the colon before)
 _ABSOLUTE = re.compile(r"(?:/+|\\+|~[/\\])[^/\\]")
 _QUOTED = re.compile(r"(['\"])([^'\"\n]+?)\1")
@@ -107,6 +111,8 @@ def public_text(text: str, state_root: str | Path | None = None, pseudonyms: Pse
         if stem.startswith("<state>"):  # pflseg's own folders; a data file's name in them (predictions) hidden
             head, _, last = stem.rpartition("/")
             return f"{head}/{hide(stem)}{tail}" if head and DATA_FILE.search(last) else word
+        if _ABSOLUTE.match(stem) and OWN_FILE.match(re.split(r"[/\\]", stem)[-1]):
+            return ".../" + re.split(r"[/\\]", stem)[-1] + tail  # pflseg's own file: its name says what to fix
         if _ABSOLUTE.match(stem) or DATA_FILE.search(stem):
             return hide(stem) + tail
         return word

@@ -210,7 +210,9 @@ def test_an_error_reply_holds_no_absolute_path(federation, tmp_path):
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("state file /srv/pflseg/state/site-1/fedbn/round_0001.pt is corrupt", "state file <file> is corrupt"),
+    ("state file /srv/pflseg/state/site-1/fedbn/round_0001.pt is corrupt", "state file .../round_0001.pt is corrupt"),
+    ("(policy.per_case: false, from /srv/Smith/local/pflseg_site.json)", "(policy.per_case: false, from "
+                                                                          ".../pflseg_site.json)"),
     ("image '/data/hospital/Case07.nii.gz' unreadable", "image '<file>' unreadable"),
     ("data root C:\\data\\site (from env)", "data root <file> (from env)"),
     ("~/data/x.png missing", "<file> missing"),
