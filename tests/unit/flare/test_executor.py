@@ -104,6 +104,23 @@ def test_a_failing_task_is_the_error_reply_answer_gives(tmp_path, monkeypatch, e
     assert got.params == {} and events == []
 
 
+def test_a_failure_after_the_answer_is_the_exits_error_reply(tmp_path, monkeypatch):
+    """FLARE's own part of a task (the analytics events, the Shareable) failing: an error reply by the exit's
+    error-text rule (code and pseudonym), not FLARE's traceback, and nothing of the file's name."""
+    monkeypatch.setenv("PFLSEG_STATE_DIR", str(tmp_path))
+    monkeypatch.setattr(client, "answer", lambda *a: (FLModel(params={}, metrics={"val_dice": 0.5}), None))
+
+    def track(self, out, step, fl_ctx):
+        raise OSError(28, "No space left on device", "/data/Smith_John_MRN4711_1960-01-01.png")
+
+    monkeypatch.setattr(SiteExecutor, "_track", track)
+    reply = SiteExecutor().execute("train", task(), context(), Signal())
+    error = FLModelUtils.from_shareable(reply).meta["pflseg_error"]
+    assert reply.get_return_code() == ReturnCode.OK and "Smith" not in error
+    assert error.startswith("site site-1: task 'train' failed: OSError (ENOSPC) [file-"), error
+    assert "Smith_John" in (tmp_path / "site-1" / "site_errors.log").read_text()
+
+
 def test_an_exception_that_is_no_error_is_an_execution_exception(monkeypatch):
     def answer(*args):
         raise KeyboardInterrupt
