@@ -35,10 +35,10 @@ def test_the_kits_allow_the_narrow_list(fed):
 
 
 def test_dp_required_and_remote_tracking_refused_at_deployed_sites_leaving_only_private_folders(fed, tmp_path):
-    """One job (the cheapest run that shows both lines): site-1 requires DP, site-2 keeps the deployment default
-    (remote_tracking null: refused), site-3 allows remote tracking and trains alone (min_clients 1). The job asks
-    MLflow at another host; the server's MLflow receiver is not built here (the sites judge the config the server
-    sends them)."""
+    """One job (the cheapest run that shows both lines, and F12's record of who trained): site-1 requires DP,
+    site-2 keeps the deployment default (remote_tracking null: refused), site-3 allows remote tracking and trains
+    alone (min_clients 1). The job asks MLflow at another host; the server's MLflow receiver is not built here (the
+    sites judge the config the server sends them)."""
     set_policy(fed, "site-1", require_dp=True)
     set_policy(fed, "site-3", remote_tracking=True)
     folder = job(tmp_path, "fedavg", rounds=1, min_clients=1)
@@ -55,6 +55,8 @@ def test_dp_required_and_remote_tracking_refused_at_deployed_sites_leaving_only_
     assert res["status"] == "FINISHED:COMPLETED" and sorted(res["test"]) == ["site-3"], res["missing"]
     assert "policy.require_dp: true" in res["missing"]["site-1"], res["missing"]
     assert "policy.remote_tracking: null (false in a deployment)" in res["missing"]["site-2"], res["missing"]
+    origins = [json.loads(f.read_text()) for f in (fed.kit("site-3") / "pflseg_state").glob("*/origin.json")]
+    assert [o["submitter"] for o in origins] == [fed.admin], origins  # F12: who trained it, from FLARE's job meta
     for site in ("site-1", "site-2"):  # refused: nothing made but the state root of the site-local error log
         root = fed.kit(site) / "pflseg_state"
         modes = {str(p): oct(p.stat().st_mode & 0o777) for p in [root, *root.rglob("*")] if p.is_dir()}
