@@ -10,7 +10,7 @@ from pflseg.train import make_loader
 from tests.unit.flare.sites.conftest import keys_of, optimizer_tensors_on
 
 LDA = {"selector_fit": "lda"}
-EPOCH = {"selector_fit": "softmax", "selector_steps": "epoch"}
+EPOCH = {"selector_fit": "softmax", "selector_steps": "epoch", "selector_input": "intensity"}
 BATCH = {"selector_fit": "softmax", "selector_steps": "batch"}
 
 
@@ -84,7 +84,7 @@ def test_selector_accuracy_on_validation_is_reported_every_round(federation):
     fed = federation("fedsm")
     assert {k: fed.cfg["fedsm"][k]
             for k in ("selector_fit", "selector_input", "selector_steps", "selector_epochs")} == {
-        "selector_fit": "lda", "selector_input": "intensity", "selector_steps": "epoch", "selector_epochs": 1}
+        "selector_fit": "lda", "selector_input": "zscore", "selector_steps": "epoch", "selector_epochs": 1}
     msg, _ = first_message(fed, label=1)
     out = fed.site("site-2").train(msg)
     assert 0.0 <= out.metrics["selector_val_acc"] <= 1.0 and "selector_val_acc_local" not in out.metrics
