@@ -37,6 +37,29 @@ def run(name, ws, data, sites=2, threads=None, progress=lambda m: None, **over):
     return run_simulator(job, ws, n_sites=sites, threads=threads, data=data, progress=progress)
 
 
+#: FedSM's uninterrupted run (2 sites, 2 threads, 2 rounds) is both the reference of its resume check and the
+#: bundle of its inference check: trained once (``straight_run``), by the one worker that runs both (their group)
+SHARED = "fedsm"
+ONE_WORKER = pytest.mark.xdist_group("simulator_fedsm")
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory, data):
+    """``straight_run(name, **over)``: the workspace and results of an uninterrupted run of job ``name`` (2 sites,
+    2 threads, 2 rounds, ``over``), run once per module for each job and config (a post-training job reads its bundle
+    from a workspace beside its own: PFLSEG_BUNDLE_ROOTS is the parent)."""
+    done: dict = {}
+
+    def get(name, **over):
+        key = json.dumps([name, over], sort_keys=True)
+        if key not in done:
+            ws = tmp_path_factory.mktemp(name) / "straight"
+            done[key] = ws, run(name, ws, data, sites=2, threads=2, rounds=2, **over)
+        return done[key]
+
+    return get
+
+
 def stop_after_round_1(run_job, monkeypatch) -> None:
     """``run_job(progress)`` (a simulator run) stopped the moment its server logs round 1 done, as a Ctrl-C stops
     ``pflseg run``: the simulator is stopped whole (``run_side_by_side``'s stop, the path a signal takes), no later
@@ -80,12 +103,12 @@ def assert_same_states(a: dict, b: dict):
 
 
 # fedsm and fedsm_extra run in the inference test, fedsm_fundus inside fedsm_extra_fundus; grace and lcfed in the
-# threads/resume test (lcfed_fundus covers LC-Fed's two-class case); fedbn in the provisioned federation
-# (test_deploy.py: a straggler, a restarted and a dead site); iopfl*: test_iopfl.py; centralized_lcnet is
-# centralized (run here) on ft's net (run here): a yaml-only variant needs no run of its own; so are grace_refcode
-# (grace with grace.self_similarity: exclude, unit-tested in test_grace.py) and lcfed_hczero / lcfed_hcself (lcfed
-# with lcfed.hc_map: zeros / self_uncertainty, unit-tested in test_lcfed.py and the site / controller tests);
-# fedavg_tiny (fedavg, smaller) is the README quick start's first command, run in test_quickstart.py
+# threads/resume test (lcfed_fundus covers LC-Fed's two-class case); fedbn in the provisioned federations
+# (test_deploy.py: a restarted site; test_deploy_faults.py: a straggler and a dead site); iopfl*: test_iopfl.py;
+# centralized_lcnet is centralized (run here) on ft's net (run here): a yaml-only variant needs no run of its own; so
+# are grace_refcode (grace with grace.self_similarity: exclude, unit-tested in test_grace.py) and lcfed_hczero /
+# lcfed_hcself (lcfed with lcfed.hc_map: zeros / self_uncertainty, unit-tested in test_lcfed.py and the site /
+# controller tests); fedavg_tiny (fedavg, smaller) is the README quick start's first command, run in test_quickstart.py
 COVERED_ELSEWHERE = ("fedsm", "fedsm_extra", "fedsm_fundus", "fedsm_infer", "fedbn", "grace", "lcfed", "iopfl",
                      "iopfl_route", "centralized_lcnet", "grace_refcode", "lcfed_hczero", "lcfed_hcself",
                      "cross_site",  # test_cross_site.py
@@ -152,8 +175,8 @@ def test_job_completes_with_per_site_test_dice(name, tmp_path, data):
         assert tb == set(sites)
 
 
-@pytest.mark.parametrize("name", ["fedsm", "grace", "lcfed"])
-def test_threads_and_resume_do_not_change_the_models(name, tmp_path, data, monkeypatch):
+@pytest.mark.parametrize("name", [pytest.param(SHARED, marks=ONE_WORKER), "grace", "lcfed"])
+def test_threads_and_resume_do_not_change_the_models(name, tmp_path, data, monkeypatch, straight_run):
     """An uninterrupted run with -t 2 against one with -t 1 stopped after round 1 and resumed with -t 2: equal
     final models (server checkpoint and every site's state) prove thread-count invariance and exact resume at
     once. (-t 1 only before the stop: with one thread FLARE starts a process per site per task, ~9 s each; the stop
@@ -164,12 +187,12 @@ def test_threads_and_resume_do_not_change_the_models(name, tmp_path, data, monke
     (with K = 2 its consistency weights are uniform; the grace_server run above has K = 3);
     LC-Fed's heads (site state) and the server's copies of the coarse heads are carried the same way."""
     over = {"grace": {"align": "adv"}} if name == "grace" else {}
-    straight = run(name, tmp_path / "straight", data, sites=2, threads=2, rounds=2, **over)
+    straight_ws, straight = straight_run(name, **over)
     assert sorted(straight["test"]) == straight["sites"] and not straight["missing"]
     assert all(0.0 <= straight["test"][s]["site"]["dice"] <= 1.0 for s in straight["sites"])
     if name == "grace":  # the server's consistency weights: every round, in results and TensorBoard
         assert all(abs(sum(h["grace_weights"].values()) - 1) < 1e-6 for h in straight["history"])
-        tb = tmp_path / "straight" / "sim" / "server" / "simulate_job" / "tb_events"
+        tb = straight_ws / "sim" / "server" / "simulate_job" / "tb_events"
         (server,) = {p.name for p in tb.iterdir()} - set(straight["sites"])
         assert list((tb / server).rglob("events.*"))
     stop_after_round_1(lambda progress: run(name, tmp_path / "resumed", data, sites=2, threads=1, rounds=2,
@@ -177,9 +200,9 @@ def test_threads_and_resume_do_not_change_the_models(name, tmp_path, data, monke
     resumed = run(name, tmp_path / "resumed", data, sites=2, threads=2, rounds=2, resume=True, **over)
     assert [h["round"] for h in resumed["history"]] == [1, 2]
     assert resumed["test"] == straight["test"]
-    assert_same_states(server_state(tmp_path / "straight", name), server_state(tmp_path / "resumed", name))
+    assert_same_states(server_state(straight_ws, name), server_state(tmp_path / "resumed", name))
     for site in straight["sites"]:
-        a = RoundStore(tmp_path / "straight" / "state" / site / name)
+        a = RoundStore(straight_ws / "state" / site / name)
         b = RoundStore(tmp_path / "resumed" / "state" / site / name)
         assert a.latest() == b.latest() == 1
         assert_same_states(a.load(1), b.load(1))
@@ -217,11 +240,16 @@ def test_python_job_py_route_with_simenv(tmp_path):
     assert sorted(p.parent.name for p in tmp_path.rglob("pflseg_synth")) == ["site-1", "site-2"]
 
 
-@pytest.mark.parametrize("trained", ["fedsm", "fedsm_extra"])
-def test_fedsm_inference_at_inside_and_outside_sites(trained, tmp_path, data):
-    run(trained, tmp_path / "train", data)
-    bundle = tmp_path / "train" / "state" / "server" / trained
-    res = run("fedsm_infer", tmp_path / "infer", data, sites=3, fedsm={"bundle": str(bundle)})
+@pytest.mark.parametrize("trained", [pytest.param(SHARED, marks=ONE_WORKER), "fedsm_extra"])
+def test_fedsm_inference_at_inside_and_outside_sites(trained, tmp_path, data, straight_run):
+    if trained == SHARED:  # the run of the resume check (the same job, config and data)
+        train_ws, _ = straight_run(trained)
+    else:
+        train_ws = tmp_path / "train"
+        run(trained, train_ws, data)
+    bundle = train_ws / "state" / "server" / trained
+    infer_ws = train_ws.parent / "infer"  # beside the bundle's workspace (PFLSEG_BUNDLE_ROOTS: the parent)
+    res = run("fedsm_infer", infer_ws, data, sites=3, fedsm={"bundle": str(bundle)})
     assert res["inside_sites"] == ["site-1", "site-2"] and sorted(res["infer"]) == ["site-1", "site-2", "site-3"]
     outside, inside = res["infer"]["site-3"], res["infer"]["site-1"]
     assert outside["personalized"] is None and inside["personalized"] is not None
@@ -232,7 +260,7 @@ def test_fedsm_inference_at_inside_and_outside_sites(trained, tmp_path, data):
             assert abs(sum(route["selection"]) - 1) < 1e-6 and 0 <= route["dice"] <= 1
     if trained == "fedsm":  # gamma = 1 is the global model
         assert outside["super"]["1.0"]["dice"] == outside["global"]["dice"]
-    assert list((tmp_path / "infer" / "state" / "site-3" / "fedsm_infer" / "predictions").glob("*.nii.gz"))
+    assert list((infer_ws / "state" / "site-3" / "fedsm_infer" / "predictions").glob("*.nii.gz"))
 
 
 def test_fedsm_inference_without_bundle_fails_clearly(tmp_path, data):
