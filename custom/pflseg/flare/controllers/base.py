@@ -51,6 +51,7 @@ from nvflare.fuel.utils import fobs
 
 from pflseg.config import check_effective, check_ranges
 from pflseg.flare import guard, metrics_files
+from pflseg.flare.policy import check_bundle_origin, record_origin
 from pflseg.flare.state import RoundStore, StateError, claim, inside, release, save_file, state_dir, write_text
 from pflseg.flare.wire import BEST, GLOBAL, prefixed, unprefixed
 from pflseg.nets import build_net, fit_to_sites
@@ -291,6 +292,7 @@ class RoundController(ModelController):
         if job_id is not None:
             moved = claim(folder, job_id, self.cfg["resume"])
             self.claimed = folder
+            record_origin(folder, job_id)  # deployed: who submitted it (a bundle is read by their own jobs only)
             if moved:
                 self.info(f"job {job_id} starts afresh; the earlier job's state of this name is now in {moved}")
         return RoundStore(folder)
@@ -618,4 +620,6 @@ class PostTrainingController(RoundController):
                              "bundle "
                              "must be a trained job's server state folder of this deployment (the server's operator "
                              "may allow more folders with PFLSEG_BUNDLE_ROOTS)")
+        if value:  # deployed: the trained job's submitter (or study) must be this job's (policy.check_bundle_origin)
+            check_bundle_origin("the server", Path(value), self.flare_job_id(), key)
         return Path(value)
