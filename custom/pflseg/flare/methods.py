@@ -17,6 +17,7 @@ from pflseg.config import ConfigError
 from pflseg.flare.columns import Column
 from pflseg.flare.controllers.centralized import CentralizedController
 from pflseg.flare.controllers.cross_site import CrossSiteController
+from pflseg.flare.controllers.ditto import DittoController
 from pflseg.flare.controllers.fedavg import FedAvgController
 from pflseg.flare.controllers.fedbn import FedBNController
 from pflseg.flare.controllers.fedprox import FedProxController
@@ -37,6 +38,7 @@ from pflseg.flare.controllers.local import LocalController
 from pflseg.flare.sites.base import Site
 from pflseg.flare.sites.centralized import CentralizedSite
 from pflseg.flare.sites.cross_site import CrossSiteSite
+from pflseg.flare.sites.ditto import DittoSite
 from pflseg.flare.sites.fedavg import FedAvgSite
 from pflseg.flare.sites.fedbn import FedBNSite
 from pflseg.flare.sites.fedprox import FedProxSite
@@ -126,6 +128,9 @@ METHODS: dict[str, Method] = {
         demo_outside=(_routed("FedAvg", "global", "running"), _routed("FedAvg", "global_bn", "batch"))),
     "fedprox": Method(FedProxController, FedProxSite, ("fedprox",), label="FedProx",
                       inside={"fedprox": (C("FedProx", "fedprox", "global", "unet"),)}),
+    "ditto": Method(DittoController, DittoSite, ("ditto",), label="Ditto",
+                    inside={"ditto": (C("Ditto global", "ditto", "global", "unet"),
+                                      C("Ditto personalized", "ditto", "site", "unet"))}),
     "fedbn": Method(FedBNController, FedBNSite, label="FedBN",
                     inside={"fedbn": (C("FedBN", "fedbn", "site", "unet"),)},
                     demo_inside=(C("FedBN", "fedbn", "site", "unet"),)),
