@@ -92,7 +92,7 @@ def test_project_with_sites_replaces_the_clients_only():
     assert project["participants"][1]["name"] == "site-1"  # not modified in place
 
 
-@pytest.mark.parametrize("argv", [["run", "fedavg"], ["poc"], ["iopfl", "loso"]])
+@pytest.mark.parametrize("argv", [["run", "fedavg"], ["poc"], ["loso"]])
 def test_run_commands_take_site_and_size_flags(argv):
     args = build_parser().parse_args(argv + ["--data", "d", "--sites", "2", "--site-names", "a,b", "--size", "96"])
     assert (args.data, args.sites, args.site_names, args.size) == ("d", 2, "a,b", 96)
