@@ -8,7 +8,10 @@ from tests.unit.flare.controllers.conftest import Stub, make, scaled
 
 
 def test_fedavg_round_is_the_nk_weighted_mean(tmp_path, monkeypatch):
+    """The plain weighted mean (robust.clip off: site-3's update is 4x the others' median, which the default clip at
+    3x would cut; tests/unit/flare/test_guard.py covers the clip)."""
     ctrl = make("fedavg", tmp_path, monkeypatch)
+    ctrl.cfg["robust"]["clip"] = 0
     g0 = dict(ctrl.global_state)
     n = {"site-1": 1, "site-2": 1, "site-3": 2}
     factor = {"site-1": 1.0, "site-2": 2.0, "site-3": 3.0}
