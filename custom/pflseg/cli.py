@@ -145,7 +145,8 @@ BENCH_JOBS = 2
 
 #: ``pflseg report NAME``: the module whose ``report(**flags)`` returns the Markdown to print (it reads the flags it
 #: needs and ignores the others)
-REPORTS = {"fedsm-benchmark": "pflseg.eval.fedsm_benchmark", "grace-benchmark": "pflseg.eval.grace_benchmark",
+REPORTS = {"fedsm-benchmark": "pflseg.eval.fedsm_benchmark", "gpu": "pflseg.eval.gpu",
+           "grace-benchmark": "pflseg.eval.grace_benchmark",
            "heterogeneity": "pflseg.eval.heterogeneity", "iopfl-cost": "pflseg.eval.iopfl_cost",
            "routing-validation": "pflseg.eval.routing_validation", "speed": "pflseg.eval.speed"}
 
@@ -431,9 +432,17 @@ def _speed_flags(p) -> None:
     speed.add_arguments(p)  # the rest of its flags
 
 
+def _gpu_flags(p) -> None:
+    from pflseg.eval import gpu  # its own flags (a light import: no torch at module level)
+
+    gpu.add_arguments(p)
+
+
 #: ``pflseg report NAME``'s help and the function adding its own flags (``REPORTS`` names its module)
 REPORT_PARSERS = {
     "fedsm-benchmark": ("communication and timing of FedSM's two selectors", _fedsm_benchmark_flags),
+    "gpu": ("the GPU check (~10 min on one GPU): gpu tests, amp on/off per demo method, sites sharing the GPU; "
+            "--dry-run on the CPU, --plan", _gpu_flags),
     "grace-benchmark": ("GRACE's server step against FedAvg's", _grace_benchmark_flags),
     "heterogeneity": ("how different the synthetic sites are (each inside site's Local vs FedAvg)",
                       _heterogeneity_flags),
