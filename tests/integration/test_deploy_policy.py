@@ -11,7 +11,8 @@ from pflseg.deploy.submit import submit
 from pflseg.flare.state import write_text
 from tests.integration.federation import federation, job
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deploy_policy"), pytest.mark.in_file_order]
+pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.xdist_group("deploy_policy"),
+              pytest.mark.in_file_order]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from pflseg.data import make_synthetic
 from pflseg.deploy.simulator import run_simulator
 from pflseg.flare.jobs import export_job
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 NAME = "Smith_John_MRN4711_1960-01-01"
 SECRETS = (b"Smith", b"MRN4711")
 TINY = {"rounds": 1, "min_clients": 1, "data": {"size": 32}, "net": {"channels": [4, 8], "strides": [2]},

@@ -112,7 +112,8 @@ def assert_same_states(a: dict, b: dict):
 COVERED_ELSEWHERE = ("fedsm", "fedsm_extra", "fedsm_fundus", "fedsm_infer", "fedbn", "grace", "lcfed", "iopfl",
                      "iopfl_route", "centralized_lcnet", "grace_refcode", "lcfed_hczero", "lcfed_hcself",
                      "cross_site",  # test_cross_site.py
-                     "fedavg_tiny")  # test_quickstart.py
+                     "fedavg_tiny",  # test_quickstart.py
+                     "ditto")  # test_ditto.py
 
 
 #: what each job's results must hold: sites run, rounds in the history (extra selector round), a global

@@ -129,7 +129,8 @@ def test_the_readme_keeps_its_two_set_up_commands():
     readme = REPO / "README.md"
     ci = (REPO / ".ci" / "run").read_text().splitlines()[-1]
     lines = [block for _, block in code_blocks(readme)]
-    assert ci == lines[1] and "pip install -e \".[test]\"" in lines[1] and 'pytest -m "not gpu"' in lines[1]
+    assert ci == lines[1] and "pip install -e \".[test]\"" in lines[1]
+    assert 'pytest -m "not gpu and not extended"' in lines[1]
     assert lines[0].startswith("python3.11 -m venv .venv") and lines[0].endswith("pflseg demo")
     assert len(readme.read_text().splitlines()) <= 200
 
