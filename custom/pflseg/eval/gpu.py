@@ -68,9 +68,9 @@ TESTS_TIMEOUT_S = 240
 #: each site's CUDA context and data, the final test (``START_S``), then ``ROUND_S`` per round; a CPU run of the
 #: reference (16 cores) ``CPU_ROUND_S`` per round. gpu.json records the real seconds of every step to replace them.
 START_S, ROUND_S, CPU_ROUND_S, TESTS_S, PLAIN_S = 25.0, 4.0, 12.0, 150.0, 20.0
-#: the same for ``--dry-run`` on this project's 2-core CPU machine (rough: it was shared with other work, load 7-25,
-#: whenever the dry run was timed: 8 to 18 min there; its own CPU time is about 2 min)
-DRY_START_S, DRY_ROUND_S, DRY_TESTS_S, DRY_PLAIN_S = 22.0, 4.0, 15.0, 15.0
+#: the same for ``--dry-run`` on this project's 2-core CPU machine, which was shared with other work whenever it was
+#: timed: at load 8, 5.2 min in all (tests 36 s, runs 41-54 s each, plain loop 57 s; 76 s of CPU time)
+DRY_START_S, DRY_ROUND_S, DRY_TESTS_S, DRY_PLAIN_S = 25.0, 10.0, 30.0, 30.0
 SITES_SIZE = 32
 #: local epochs per round of the sites and reference runs: with the demo's settings and two rounds of 3 epochs the
 #: 3-site FedAvg model is still near its start (test Dice 0.08 on the CPU), where any two runs agree; 8 epochs train it
