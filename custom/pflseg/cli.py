@@ -148,7 +148,8 @@ BENCH_JOBS = 2
 REPORTS = {"fedsm-benchmark": "pflseg.eval.fedsm_benchmark", "gpu": "pflseg.eval.gpu",
            "grace-benchmark": "pflseg.eval.grace_benchmark",
            "heterogeneity": "pflseg.eval.heterogeneity", "iopfl-cost": "pflseg.eval.iopfl_cost",
-           "routing-validation": "pflseg.eval.routing_validation", "speed": "pflseg.eval.speed"}
+           "routing-validation": "pflseg.eval.routing_validation", "soak": "pflseg.eval.soak",
+           "speed": "pflseg.eval.speed"}
 
 
 def _report(args) -> int:
@@ -420,6 +421,15 @@ def _routing_validation_flags(p) -> None:
     p.add_argument("--out", help="folder of routing_validation.json/.md (default: --run)")
 
 
+def _soak_flags(p) -> None:
+    from pflseg.eval import soak  # its own flags (a light import: no torch at module level)
+
+    _flags(p, workspace="folder of the data, runs and soak.json (default: runs/soak)",
+           sites=f"sites of every run (default {soak.DEFAULTS['sites']})",
+           size=f"image size (default {soak.DEFAULTS['size']})")
+    soak.add_arguments(p)
+
+
 def _speed_flags(p) -> None:
     from pflseg.eval import speed  # its own flags (a light import: no torch at module level)
 
@@ -449,6 +459,8 @@ REPORT_PARSERS = {
     "iopfl-cost": ("IOP-FL routing's cost per image against one UNet forward", _iopfl_cost_flags),
     "routing-validation": ("does routing's unsupervised loss track Dice? variants and rates at validation outside "
                            "sites (never the judged ones)", _routing_validation_flags),
+    "soak": ("memory per process round after round over a long run (default FedAvg and FedSM, 100 rounds)",
+             _soak_flags),
     "speed": ("wall per round, FLARE's fixed cost and memory per method (simulator and POC)", _speed_flags),
 }
 

@@ -124,7 +124,8 @@ class MemorySampler(threading.Thread):
         while not self._stop_event.wait(self.period):
             self.sample()
 
-    def sample(self) -> None:
+    def read(self) -> tuple[dict[str, int], int]:
+        """Now: (bytes per part, the RSS sum), ``{}`` when no process is found."""
         import psutil
 
         parts: dict[str, int] = {}
@@ -136,6 +137,10 @@ class MemorySampler(threading.Thread):
                 continue
             parts[label] = parts.get(label, 0) + getattr(mem, "pss", mem.rss)
             rss += mem.rss
+        return parts, rss
+
+    def sample(self) -> None:
+        parts, rss = self.read()
         if parts:
             self.samples += 1
             self.total, self.total_rss = max(self.total, sum(parts.values())), max(self.total_rss, rss)
