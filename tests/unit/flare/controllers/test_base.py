@@ -35,7 +35,8 @@ def test_a_round_returns_what_the_run_loop_keeps(tmp_path, monkeypatch):
     out = ctrl.round(0)
     assert isinstance(out, RoundOutput) and out.compute == {s: 2.0 for s in SITES}
     assert out.metrics == {"val_dice": {s: 0.5 for s in SITES}, "val_dice_mean": 0.5}
-    assert out.site_metrics == {s: {"val_dice": 0.5, "train_loss": 0.25} for s in SITES}  # not compute_seconds
+    # not compute_seconds; the guard's update_ratio (each site's update norm over the others' median: 0 here)
+    assert out.site_metrics == {s: {"val_dice": 0.5, "train_loss": 0.25, "update_ratio": 0.0} for s in SITES}
     assert not hasattr(ctrl, "round_metrics") and not hasattr(ctrl, "site_metrics")  # nothing left on the controller
 
 

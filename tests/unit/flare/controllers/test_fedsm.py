@@ -209,7 +209,7 @@ def test_the_best_selector_by_validation_is_the_one_inference_loads(tmp_path, mo
     received = [unprefixed("select", d.params) for t, _, d in stub.sent if t == "train"][3:6]
     final = ctrl.store.final()
     assert final["best_selector"]["round"] == 1 and final["best_selector"]["temperature"] == 2.0
-    assert final["best_selector"]["input"] == "intensity"
+    assert final["best_selector"]["input"] == ctrl.cfg["fedsm"]["selector_input"]
     best = unprefixed("bestselect", final)
     assert all(torch.equal(best[k], received[0][k]) for k in received[0])
     # not the last one
@@ -227,7 +227,7 @@ def test_the_best_selector_by_validation_is_the_one_inference_loads(tmp_path, mo
     (_, _, msg), *_ = sent
     loaded = unprefixed("select", msg.params)
     assert all(torch.equal(loaded[k], best[k]) for k in best)
-    assert msg.meta["selector_temperature"] == 2.0 and msg.meta["selector_input"] == "intensity"
+    assert msg.meta["selector_temperature"] == 2.0 and msg.meta["selector_input"] == ctrl.cfg["fedsm"]["selector_input"]
 
 
 def test_selection_report_names_the_models_at_the_reference_and_the_chosen_gamma():

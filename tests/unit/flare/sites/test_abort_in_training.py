@@ -16,7 +16,8 @@ from pflseg.flare.state import release
 from tests.unit.flare.sites.conftest import Federation
 from tests.unit.flare.test_executor import context
 
-LONG = {"train": {"batch_size": 2, "epochs": 1000}}  # thousands of batches: the whole task would take minutes
+# thousands of batches: the whole task would take minutes (batch 4: a deployed site's least, policy.min_batch_size)
+LONG = {"train": {"batch_size": 4, "epochs": 1000}}
 THREE = {"sites": ["site-1", "site-2", "site-3"]}  # a job with a real job id: a site refuses two sites
 
 
