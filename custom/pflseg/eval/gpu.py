@@ -406,10 +406,7 @@ def run(workspace: str | Path, dry_run: bool = False, budget: float | None = Non
                     plain = speed.plain_rounds(speed.data_root(ws, step["sites"], plan.sites_size), names,
                                                job_config(ref["job_dir"]), plan.rounds,
                                                speed.threads_per_site(step["sites"]))
-                    costs = speed.round_costs(ref["history"])
-                    # history[].round counts from 1, the plain loop's list from 0
-                    costs["rounds"] = [r - 1 for r in costs["rounds"]]
-                    row = speed.compare(costs, plain, ref["executor"], "sim")
+                    row = speed.compare(speed.round_costs(ref["history"]), plain, ref["executor"], "sim")
                     result["plain"] = {**step, **row, "seconds": time.time() - t0, "per_site": plain}
                 else:
                     root = (demo_root(ws, plan.size) if step["step"] == "amp"

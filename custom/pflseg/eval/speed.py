@@ -114,10 +114,10 @@ def round_costs(history: list[dict], skip: int | None = None) -> dict:
 
 
 def plain_seconds(plain: dict[str, list[float]], rounds: list[int]) -> float | None:
-    """The plain loop's seconds per round over the same ``rounds``: the mean over sites of each site's median (a
-    site's list is indexed by round); None without plain times."""
-    per_site = [statistics.median(times[r] for r in rounds if r < len(times)) for times in plain.values()
-                if any(r < len(times) for r in rounds)]
+    """The plain loop's seconds per round over the same ``rounds`` (numbered from 1, as results.json's history): the
+    mean over sites of each site's median (a site's list holds round r at r - 1); None without plain times."""
+    per_site = [statistics.median(times[r - 1] for r in rounds if 0 < r <= len(times)) for times in plain.values()
+                if any(0 < r <= len(times) for r in rounds)]
     return statistics.mean(per_site) if per_site else None
 
 

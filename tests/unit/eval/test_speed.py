@@ -11,10 +11,10 @@ from nvflare.app_common.executors.client_api_executor import ClientAPIExecutor
 
 from pflseg.eval import speed
 
-HISTORY = [  # round 0 loads the data: not measured
-    {"round": 0, "wall_seconds": 50.0, "site_compute_seconds": {"site-1": 40.0, "site-2": 45.0}},
-    {"round": 1, "wall_seconds": 4.0, "site_compute_seconds": {"site-1": 1.0, "site-2": 3.0}},
-    {"round": 2, "wall_seconds": 6.0, "site_compute_seconds": {"site-1": 2.0, "site-2": 1.0}},
+HISTORY = [  # rounds count from 1, as in results.json; round 1 loads the data: not measured
+    {"round": 1, "wall_seconds": 50.0, "site_compute_seconds": {"site-1": 40.0, "site-2": 45.0}},
+    {"round": 2, "wall_seconds": 4.0, "site_compute_seconds": {"site-1": 1.0, "site-2": 3.0}},
+    {"round": 3, "wall_seconds": 6.0, "site_compute_seconds": {"site-1": 2.0, "site-2": 1.0}},
 ]
 
 
@@ -29,9 +29,9 @@ class InProcessScript(ClientAPIExecutor):
 
 
 # ---- arithmetic -----------------------------------------------------------------------------------------------------
-def test_round_costs_skip_round_zero_and_take_medians():
+def test_round_costs_skip_the_first_round_and_take_medians():
     costs = speed.round_costs(HISTORY)
-    assert costs["rounds"] == [1, 2]
+    assert costs["rounds"] == [2, 3]
     assert costs["wall"] == [4.0, 6.0] and costs["slowest"] == [3.0, 2.0] and costs["fixed"] == [1.0, 4.0]
     assert costs["wall_s"] == 5.0 and costs["slowest_s"] == 2.5 and costs["fixed_s"] == 2.5
     assert costs["compute"] == {"site-1": [1.0, 2.0], "site-2": [3.0, 1.0]}
@@ -40,13 +40,13 @@ def test_round_costs_skip_round_zero_and_take_medians():
 
 def test_a_single_round_is_measured_and_no_round_is_an_error():
     costs = speed.round_costs(HISTORY[:1])
-    assert costs["rounds"] == [0] and costs["fixed_s"] == 5.0
+    assert costs["rounds"] == [1] and costs["fixed_s"] == 5.0
     with pytest.raises(ValueError, match="no round"):
         speed.round_costs([])
 
 
 def test_compare_ratio_fixed_cost_and_floor():
-    plain = {"site-1": [9.0, 1.0, 1.0], "site-2": [9.0, 1.0, 1.5]}  # round 0 of the plain loop is not compared
+    plain = {"site-1": [9.0, 1.0, 1.0], "site-2": [9.0, 1.0, 1.5]}  # the plain loop's first round is not compared
     row = speed.compare(speed.round_costs(HISTORY), plain, "executor", "sim")
     assert row["plain_s"] == pytest.approx((1.0 + 1.25) / 2)
     assert row["ratio"] == pytest.approx(1.75 / 1.125)
