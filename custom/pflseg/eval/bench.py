@@ -394,6 +394,7 @@ class Bench:
                         dice, n = self.outside_dice(seed, fold, col, h)
                         if isinstance(dice, dict):
                             options.setdefault(key, {}).setdefault(seed, {})[h] = dice
+                            table.setdefault(key, {})  # its place among the columns; filled below
                             continue
                         table.setdefault(key, {}).setdefault(h, []).append(dice)
                         if n:
@@ -403,8 +404,8 @@ class Bench:
                 chosen = [choose_by_loso(per_seed[seed], h, self.inside) for seed in self.seeds]
                 if None not in chosen:
                     self.choices.setdefault(key, {})[h] = chosen
-                    table.setdefault(key, {})[h] = [per_seed[seed][h][c] for seed, c in zip(self.seeds, chosen)]
-        return table, cases
+                    table[key][h] = [per_seed[seed][h][c] for seed, c in zip(self.seeds, chosen)]
+        return {key: col for key, col in table.items() if col}, cases
 
     def outside_dice(self, seed: int, fold: str, col: Column, h: str) -> tuple[float | dict, dict | None]:
         """(Dice of one outside column at ``h`` (or {option: Dice}), its {"cases", "images"} when known)."""
