@@ -1,11 +1,13 @@
 """A provisioned 3-site federation on loopback, started once for the module: jobs submitted through the
 FLARE API in package mode (FedAvg, FedBN; FedAvg also as a recipe on FLARE's ProdEnv), refusals (a lead's BYOC
-job, a shell command at another organisation's site, a user without the right, a client from another project), a site
-restarted mid-job, and a shutdown that leaves no process behind. Tests run in file order on the one federation. The
-server SIGKILLed mid-round, a straggler beyond the task timeout and a site dead for good: test_deploy_faults.py (its
-own federation)."""
+job, a shell command at another organisation's site, a user without the right, a client from another project), a
+straggler beyond the task timeout, a site restarted mid-job, and a shutdown that leaves no process behind. Tests
+run in file order on the one federation. The server SIGKILLed mid-round and a site dead for good:
+test_deploy_faults.py (its own federation)."""
 
 import json
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -99,6 +101,31 @@ def test_client_of_another_project_cannot_join(fed):
     while "CERTIFICATE_VERIFY_FAILED" not in (log := log_file.read_text()) and time.time() < deadline:
         time.sleep(2)  # a loaded machine: its first TLS attempt may come seconds after the others joined
     assert "CERTIFICATE_VERIFY_FAILED" in log, log[-2000:]
+
+
+def test_straggler_beyond_the_timeout_is_left_out_then_back(fed, tmp_path):
+    """FedBN, 4 rounds, task_timeout 60 s (round 1 starts the job processes: a loaded machine needs ~35 s):
+    site-3's job process is stopped (SIGSTOP) for 65 s after round 1, while its site process stays connected,
+    then continued: left out of the rounds it missed, back after."""
+
+    def stall(job_id):
+        procs = [p for p in fed._tree([fed.pids["site-3"]]) if job_id in " ".join(p.cmdline())]
+        assert procs, "site-3 runs no process of the job"
+        for p in procs:
+            p.send_signal(signal.SIGSTOP)
+        threading.Timer(65, lambda: [p.send_signal(signal.SIGCONT) for p in procs]).start()
+
+    progress = on_round(1, stall)
+    res = submit(job(tmp_path, "fedbn", rounds=4, task_timeout=60), fed.admin_kit(), out=tmp_path / "dl",
+                 progress=progress, poll=0.5)
+    assert "done" in progress.seen, "never saw round 1 finish"
+    assert "timed out" in res["missing"]["site-3"]
+    assert rounds_of(res, "site-1") == [1, 2, 3, 4]
+    late = rounds_of(res, "site-3")
+    # out of the round it was stopped in (round 1, or 2 where it had answered round 1 before the stop took effect:
+    # the Executor site answers without a poll), re-admitted after
+    assert late[0] == 1 and len(late) < 4 and late[-1] == 4, late
+    check_per_site(res, SITES)  # and tested at the end with its own state
 
 
 def test_site_restarted_mid_job_is_left_out_of_that_job_only(fed, tmp_path):

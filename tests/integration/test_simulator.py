@@ -104,7 +104,7 @@ def assert_same_states(a: dict, b: dict):
 
 # fedsm and fedsm_extra run in the inference test, fedsm_fundus inside fedsm_extra_fundus; grace and lcfed in the
 # threads/resume test (lcfed_fundus covers LC-Fed's two-class case); fedbn in the provisioned federations
-# (test_deploy.py: a restarted site; test_deploy_faults.py: a straggler and a dead site); iopfl*: test_iopfl.py;
+# (test_deploy.py: a restarted site and a straggler; test_deploy_faults.py: a dead site); iopfl*: test_iopfl.py;
 # centralized_lcnet is centralized (run here) on ft's net (run here): a yaml-only variant needs no run of its own; so
 # are grace_refcode (grace with grace.self_similarity: exclude, unit-tested in test_grace.py) and lcfed_hczero /
 # lcfed_hcself (lcfed with lcfed.hc_map: zeros / self_uncertainty, unit-tested in test_lcfed.py and the site /
