@@ -32,7 +32,13 @@ from pflseg.flare.controllers.fedsm import (
 )
 from pflseg.flare.controllers.ft import FTController
 from pflseg.flare.controllers.grace import GraceController
-from pflseg.flare.controllers.iopfl import IOPFLController, IOPFLRoutingController, read_route, route_table
+from pflseg.flare.controllers.iopfl import (
+    IOPFLController,
+    IOPFLRoutingController,
+    read_route,
+    read_route_options,
+    route_table,
+)
 from pflseg.flare.controllers.lcfed import FedRepController, LCFedController
 from pflseg.flare.controllers.local import LocalController
 from pflseg.flare.sites.base import Site
@@ -55,7 +61,8 @@ from pflseg.infer.routing import LABELS as ROUTING_LABELS
 BACKBONES = {"unet": "MONAI UNet", "lcnet": "LC-Fed's U-shaped net (no PCS unless LC-Fed)"}
 REFERENCE = {"unet": "FedAvg", "lcnet": "FedAvg (LC-Fed net)"}
 #: normalisation treatments of the outside table; a comparison is only ever made within one
-TREATMENTS = {"running": "running statistics (as trained)", "batch": "test-batch statistics"}
+TREATMENTS = {"running": "running statistics (as trained)", "batch": "test-batch statistics",
+              "loso": "running or test-batch statistics, chosen by leave-one-inside-site-out"}
 #: outside reference per treatment: the first of these labels present
 OUTSIDE_REFERENCE = ("FedAvg", "FedAvg (IOP-FL run)")
 
@@ -108,6 +115,9 @@ _ROUTE = (("FedAvg (IOP-FL run)", "global", "running"), ("FedAvg", "global_bn", 
           ("Tent (online)", "tent", "batch"), ("Tent (10 epochs, min-entropy)", "tent_epochs", "batch"),
           ("Tent from Average (online)", "tent_average", "batch"),
           *((ROUTING_LABELS[m], m, "batch") for m in ("routing_global", "routing_layer", "routing", "routing_final")))
+#: the static comparators with the statistics a new site would use chosen without its labels (bench: --holdout all)
+_ROUTE_STATS = tuple(C(label, "iopfl_route", f"{m}_stats", "loso", read_route_options(running=m, batch=f"{m}_bn"))
+                     for label, m in (("FedAvg", "global"), ("Average", "average"), ("Ensemble", "ensemble")))
 
 
 def _routed(label: str, method: str, treatment: str) -> Column:
@@ -169,7 +179,7 @@ METHODS: dict[str, Method] = {
         inside={"iopfl": (C("IOP-FL global", "iopfl", "global", "unet"), C("IOP-FL P_k", "iopfl", "site", "unet"))},
         # the routing job scores its static comparators under both treatments in the very batches routing and Tent
         # adapt on (the IOP-FL run's global model is FedAvg's, bit for bit, at one seed)
-        outside={"iopfl": tuple(_routed(*row) for row in _ROUTE)},
+        outside={"iopfl": (*(_routed(*row) for row in _ROUTE), *_ROUTE_STATS)},
         demo_inside=(C("IOP-FL P_k", "iopfl", "site", "unet"),),
         claims=(Claim(ROUTING_LABELS["routing"], ("FedAvg", "Average", "Tent (online)", "Tent from Average (online)"),
                       "batch"),),

@@ -239,3 +239,20 @@ def test_the_inside_table_reads_a_post_training_run_through_its_column(tmp_path,
     table = bench.inside_values()
     assert table["FedSM super"] == {"site-1": [0.5], "site-2": [0.6], "site-3": [0.7]}
     assert table["FedSM personalized"] == {"site-1": [0.4], "site-2": [0.4], "site-3": [0.4]}
+
+
+def test_iopfl_s_static_comparators_offer_both_statistics_for_a_choice_without_the_judged_site_s_labels():
+    from pflseg.eval.bench import choose_by_loso
+    from pflseg.flare.methods import METHODS, TREATMENTS
+
+    cols = {c.label: c for c in METHODS["iopfl"].outside["iopfl"] if c.group == "loso"}
+    assert set(cols) == {"FedAvg", "Average", "Ensemble"} and "loso" in TREATMENTS
+    methods = {"global": {"dice": 0.5}, "global_bn": {"dice": 0.6}, "average": {"dice": 0.4},
+               "average_bn": {"dice": 0.3}, "ensemble": {"dice": 0.2}, "ensemble_bn": {"dice": 0.1}}
+    results = {"route": {"site-2": {"methods": methods, "n_cases": 2, "n_images": 16}}}
+    assert {k: v.dice for k, v in cols["FedAvg"].read(results, "site-2").items()} == {"running": 0.5, "batch": 0.6}
+    assert {k: v.dice for k, v in cols["Average"].read(results, "site-2").items()} == {"running": 0.4, "batch": 0.3}
+    per_site = {"site-1": {"running": 0.8, "batch": 0.6}, "site-2": {"running": 0.5, "batch": 0.6},
+                "site-6": {"running": 0.1, "batch": 0.9}}
+    assert choose_by_loso(per_site, "site-6", ["site-1", "site-2"]) == "running"  # 0.65 vs 0.60 at sites 1-2, not site-6's
+    assert choose_by_loso(per_site, "site-1", ["site-1", "site-2"]) == "batch"  # from site-2 alone

@@ -134,6 +134,16 @@ def read_route(method: str):
     return read
 
 
+def read_route_options(**treatments: str):
+    """A reader of one comparator under several normalisation treatments (``{treatment: routing job method}``, e.g.
+    ``running="global", batch="global_bn"``): ``{treatment: Score}``, for the bench to choose the statistics a new
+    site uses by leave-one-inside-site-out, without its labels."""
+    def read(results: Mapping, site: str) -> dict[str, Score]:
+        route = results["route"][site]
+        return {t: score(route["methods"][m], route) for t, m in treatments.items()}
+    return read
+
+
 #: the routing job's comparators (``pflseg.infer.routing.NORM``) in the table's words; the routing variants are
 #: ``pflseg.infer.routing.LABELS``. key -> (label, what it is)
 ROUTE_COMPARATORS = {
