@@ -1,0 +1,144 @@
+"""Issue 39's measured attack table, in real FLARE simulator runs: honest sites' test Dice with one lying site.
+
+For FedAvg (attacks ``scaled``, ``flipped``, ``fixed``: issue 39 F1) and GRACE (``scaled``: F6, aligned) on the demo
+preset's three inside sites (``pflseg.data.synth.PRESETS["demo"]``, seeds as given), each attack runs with site-3
+(the smallest site) as the liar (tests/integration/evil/sitecustomize.py: its true update x 99, x -99 or a fixed
+direction of 99x its norm, and n_k 99x its honest value) next to the honest run of the same seed, with the job
+defaults (``robust``: clip 3, n_k cap 6, norm bound 100; min_clients 2: a refused liar is left out, the job goes
+on) and the demo's training settings (``pflseg.eval.demo.SETTINGS``). The runs are ``pflseg bench``'s
+(``Bench.run``: one at a time, read back when finished with the same settings, resumed when stopped). Writes
+``<workspace>/attack_dice.md`` (and .json)::
+
+    OMP_NUM_THREADS=1 python -m tests.integration.attack_dice --workspace DIR --seeds 0 1 --rounds 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+from pflseg.data import load_dataset_info, make_synthetic
+from pflseg.eval.bench import Bench
+from pflseg.eval.demo import SETTINGS
+
+EVIL = Path(__file__).resolve().parent / "evil"
+LIAR, HONEST = "site-3", ("site-1", "site-2")
+SITES = [*HONEST, LIAR]
+#: method (job) -> the attacks run against it, besides the honest run
+ATTACKS = {"fedavg": ("scaled", "flipped", "fixed"), "grace": ("scaled",)}
+LABELS = {"fedavg": "FedAvg", "grace": "GRACE", "scaled": "scaled 99x, n_k 99x (F1/F6)",
+          "flipped": "sign-flipped 99x, n_k 99x (F1)", "fixed": "fixed direction 99x, n_k 99x (F1)"}
+
+
+class AttackBench(Bench):
+    """``Bench`` with the job default ``min_clients: 2`` (Bench asks every site of a run to answer every round, so a
+    refused liar would stop the job instead of being left out)."""
+
+    def job_overrides(self, seed: int, fold: str, job: str) -> dict:
+        return {**super().job_overrides(seed, fold, job), "min_clients": 2}
+
+
+def data_root(workspace: Path, seed: int) -> Path:
+    root = workspace / "data" / f"seed{seed}"
+    if not (root / "dataset.json").is_file():
+        make_synthetic(root, preset="demo", seed=seed)
+    return root
+
+
+def liar_env(attack: str | None) -> None:
+    """This process's environment for the next run (the simulator's processes inherit it): ``attack`` at site-3, or
+    an honest run (None)."""
+    for key in ("PFLSEG_TEST_EVIL_SITE", "PFLSEG_TEST_EVIL_ATTACK"):
+        os.environ.pop(key, None)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(EVIL)]
+    if attack is not None:
+        os.environ.update(PFLSEG_TEST_EVIL_SITE=LIAR, PFLSEG_TEST_EVIL_ATTACK=attack)
+        paths.insert(0, str(EVIL))
+    if paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join(paths)
+    else:
+        os.environ.pop("PYTHONPATH", None)
+
+
+def run(workspace: Path, job: str, attack: str | None, seed: int, rounds: int) -> dict:
+    """One simulator run (read back when it finished earlier): the summary of its results.json."""
+    root = data_root(workspace, seed)
+    settings = {k: v for k, v in SETTINGS.items() if k != "privacy"}
+    overrides = {**settings, "data": {"size": load_dataset_info(root)["train_size"]}}
+    bench = AttackBench(workspace / (attack or "honest"), data=root, methods=[job], seeds=[seed], rounds=rounds,
+                  sites=SITES, outside=False, overrides=overrides, preset=None, progress=print)
+    liar_env(attack)
+    t0 = time.time()
+    try:
+        res = bench.run(seed, "inside", job)
+    finally:
+        liar_env(None)
+    history = res.get("history", [])
+    liar = [(h.get("site_metrics") or {}).get(LIAR, {}) for h in history]
+    return {"dice": {s: res["test"][s]["global"]["dice"] for s in HONEST},
+            "clipped": sum("update_clipped" in m for m in liar), "capped": sum("n_k_capped" in m for m in liar),
+            "ratio": max((m.get("update_ratio", 0.0) for m in liar), default=0.0),
+            "rounds": len(history), "missing": res.get("missing", {}).get(LIAR), "wall_s": round(time.time() - t0)}
+
+
+def summary(runs: dict, job: str, attack: str, seeds: list[int]) -> dict:
+    """One row: the honest sites' mean test Dice per seed, attacked and honest, and their paired difference."""
+    att = [statistics.mean(runs[(job, attack, s)]["dice"].values()) for s in seeds]
+    hon = [statistics.mean(runs[(job, None, s)]["dice"].values()) for s in seeds]
+    return {"attacked": att, "honest": hon, "diff": [a - h for a, h in zip(att, hon)]}
+
+
+def to_markdown(runs: dict, seeds: list[int], rounds: int) -> str:
+    cols = ["method", "liar's attack (site-3)"]
+    cols += [f"seed {s}: attacked / honest" for s in seeds]
+    cols += ["mean attacked / honest", "paired diff (mean; per seed)", "liar clipped (rounds)",
+             "liar n_k capped (rounds)", "liar's largest update ratio", "missing (site-3)"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for job, attacks in ATTACKS.items():
+        for attack in attacks:
+            if not all((job, a, s) in runs for a in (None, attack) for s in seeds):
+                continue
+            row = summary(runs, job, attack, seeds)
+            per = [runs[(job, attack, s)] for s in seeds]
+            cells = [LABELS[job], LABELS[attack]]
+            cells += [f"{a:.3f} / {h:.3f}" for a, h in zip(row["attacked"], row["honest"])]
+            cells += [f"{statistics.mean(row['attacked']):.3f} / {statistics.mean(row['honest']):.3f}",
+                      f"{statistics.mean(row['diff']):+.3f} ({'; '.join(f'{d:+.3f}' for d in row['diff'])})",
+                      " / ".join(f"{p['clipped']} of {p['rounds']}" for p in per),
+                      " / ".join(f"{p['capped']} of {p['rounds']}" for p in per),
+                      " / ".join(f"{p['ratio']:.1f}x" for p in per),
+                      " / ".join(p["missing"] or "-" for p in per)]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + (f"\n\nHonest sites: {', '.join(HONEST)} (test Dice of the global model, mean of the "
+                               f"two); {rounds} rounds; seeds {', '.join(map(str, seeds))}; per-seed cells "
+                               "\"seed 0 / seed 1\".\n")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workspace", required=True, type=Path)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--methods", nargs="+", default=list(ATTACKS), choices=list(ATTACKS))
+    args = parser.parse_args(argv)
+    ws = args.workspace.resolve()
+    ws.mkdir(parents=True, exist_ok=True)
+    runs: dict = {}
+    for job in args.methods:
+        first, *rest = ATTACKS[job]  # the first attack before the honest run: the injection is seen to work early
+        for attack in (first, None, *rest):
+            for seed in args.seeds:
+                runs[(job, attack, seed)] = out = run(ws, job, attack, seed, args.rounds)
+                print(f"{job} {attack or 'honest'} seed {seed}: {json.dumps(out)}", flush=True)
+                (ws / "attack_dice.json").write_text(json.dumps(
+                    {f"{j}/{a or 'honest'}/{s}": v for (j, a, s), v in runs.items()}, indent=1))
+                (ws / "attack_dice.md").write_text(to_markdown(runs, args.seeds, args.rounds))
+    print(to_markdown(runs, args.seeds, args.rounds))
+
+
+if __name__ == "__main__":
+    main()
