@@ -40,6 +40,76 @@ def test_nothing_imports_upward():
     assert upward == []
 
 
+def module_name(path: Path) -> str:
+    """``custom/pflseg/flare/sites/base.py`` -> ``pflseg.flare.sites.base`` (a package: its ``__init__``'s name)."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """pflseg module -> the pflseg modules it imports, at module level or inside a function or ``if`` alike
+    (``from pflseg.flare import client``: the module ``client``; ``from pflseg.data import X``: ``pflseg.data``)."""
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for module, path in modules.items():
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "pflseg":
+                names.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                names.update(a.name for a in node.names if a.name.split(".")[0] == "pflseg")
+        graph[module] = {m for m in map(resolve, names) if m and m != module}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_circle_finder_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert circles(graph) == [["a", "b", "c"]]
+
+
+def test_no_import_circle_among_pflseg_modules_counting_imports_inside_functions():
+    """Issue 40: a lower module reads what it needs from its caller (dependency inversion), never by importing the
+    module that imports it, not even inside a function (the registry ``flare/methods.py`` imports every controller and
+    site: they, ``policy.py`` and ``settings.py`` get the registry's facts passed down)."""
+    found = circles(import_graph())
+    assert found == [], "\n".join(" <-> ".join(c) for c in found)
+
+
 def method_readers() -> list[Path]:
     """The modules that must read what describes a method from the registry (flare/methods.py), never branch on it."""
     flare = [p for p in (PACKAGE / "flare").rglob("*.py") if p.name != "methods.py"]

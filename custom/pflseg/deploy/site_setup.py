@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pflseg.flare.methods import METHODS
 from pflseg.flare.settings import init_site, site_report
 
 
@@ -79,7 +80,7 @@ def site_init(site_dir: str | Path, data: str | Path, name: str | None = None, d
     require_kit(site_dir)
     name = site_name(site_dir, name)
     target, problems, kept = init_site(site_dir, name, data, data_site, device, state_dir, policy, threads,
-                                       say)
+                                       say, registered=METHODS)
     if problems:
         raise ValueError(f"site {name}: nothing written to {target}:\n" + "\n".join(f"  - {p}" for p in problems))
     say(f"wrote {target} (mode 0600)" + (f"; kept from the earlier settings: {', '.join(kept)}" if kept else "")
@@ -95,6 +96,7 @@ def site_check(site_dir: str | Path, name: str | None = None, say=print) -> bool
         ValueError: ``site_dir`` is not a site's kit (``require_kit``).
     """
     require_kit(site_dir)
-    lines, problems = site_report(site_dir, site_name(site_dir, name), say)  # progress while its files are read
+    lines, problems = site_report(site_dir, site_name(site_dir, name), say,  # progress while its files are read
+                                  registered=METHODS)
     say("\n".join(lines))
     return not problems

@@ -24,6 +24,8 @@ from pathlib import Path
 from nvflare.app_common.default_component_policy import DEFAULT_CLASS_ALLOW_LIST
 
 from pflseg.data.files import private_dir
+from pflseg.flare.executor import ClientAPISiteExecutor, SiteExecutor
+from pflseg.flare.methods import METHODS
 
 
 def _path(cls) -> str:
@@ -32,9 +34,6 @@ def _path(cls) -> str:
 
 def pflseg_classes() -> list[str]:
     """Every pflseg class a job can name (controllers of all methods, the site executors of ``site.executor``)."""
-    from pflseg.flare.executor import ClientAPISiteExecutor, SiteExecutor
-    from pflseg.flare.methods import METHODS
-
     return sorted({_path(m.controller) for m in METHODS.values()} | {_path(SiteExecutor), _path(ClientAPISiteExecutor)})
 
 
@@ -53,8 +52,6 @@ LISTS = ("narrow", "broad")
 
 def job_classes() -> list[str]:
     """Every class a pflseg job (package mode, default privacy and site settings) asks FLARE to build."""
-    from pflseg.flare.executor import ClientAPISiteExecutor
-
     return sorted(FLARE_CLASSES) + [c for c in pflseg_classes() if c != _path(ClientAPISiteExecutor)]
 
 

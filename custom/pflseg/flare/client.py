@@ -30,7 +30,7 @@ from nvflare.app_common.abstract.fl_model import FLModel
 from pflseg.algorithms.robust import first_nonfinite
 from pflseg.config import check_effective
 from pflseg.data import DataError
-from pflseg.flare.methods import method
+from pflseg.flare.methods import METHODS, method
 from pflseg.flare.outbox import Outgoing, leave, site_state_root
 from pflseg.flare.policy import check_task
 from pflseg.flare.settings import data_source, site_settings
@@ -54,10 +54,12 @@ def answer(name: str, task: str, msg: FLModel, site, job_id: str | None = None):
             state_root = site_state_root(name)
         else:
             cfg, sites = site.cfg, site.sites
-        settings = site_settings(name)  # read again for every task: the site may tighten its policy mid-job
-        check_task(name, task, cfg, sites, settings, job_id)  # the site's own policy, before anything is made or run
+        # read again for every task: the site may tighten its policy mid-job (policy.methods: registered names only)
+        settings = site_settings(name, registered=METHODS)
+        entry = method(cfg) if site is None else METHODS[cfg["method"]]  # the method's config rules: first message
+        check_task(name, task, cfg, sites, settings, job_id, entry)  # the site's own policy, before anything is made
         if site is None:
-            site = method(cfg).site(name, cfg, sites, job_id)
+            site = entry.site(name, cfg, sites, job_id)
         handler = site.tasks().get(task)
         if handler is None:
             raise ValueError(f"site {name}: task '{task}' is not one of this method's tasks {sorted(site.tasks())}")

@@ -39,7 +39,7 @@ from nvflare.job_config.script_runner import ScriptRunner
 
 from pflseg.config import TRACKERS, ConfigError, job_names, load_job_config
 from pflseg.flare.executor import ClientAPISiteExecutor, SiteExecutor
-from pflseg.flare.methods import method, own_config
+from pflseg.flare.methods import server_controller
 
 CLIENT_SCRIPT = Path(__file__).with_name("job_client.py")  # BYOC: job_client.SiteExecutor; as a script: client.main
 
@@ -55,7 +55,7 @@ def build_job(cfg: dict, mode: str = "package") -> FedJob:
     if mode not in MODES:
         raise ValueError(f"job mode '{mode}' is unknown; use one of {', '.join(MODES)}")
     job = FedJob(name=cfg["name"], min_clients=cfg["min_clients"])
-    job.to_server(method(cfg).controller(config=own_config(cfg)), id="controller")  # no other method's section
+    job.to_server(server_controller(cfg), id="controller")  # its own config only: no other method's section
     for receiver_id, receiver in tracking_receivers(cfg):
         job.to_server(receiver, id=receiver_id)
     job.to_server({"server": {"task_request_interval": TASK_REQUEST_INTERVAL}})

@@ -104,6 +104,9 @@ class Method(NamedTuple):
     demo_settings: Mapping = {}
     #: a post-training job's own Markdown table of its results.json (``pflseg run``)
     table: Callable[[Mapping], str] | None = None
+    #: the controller's arguments besides ``config`` (``server_controller`` gives them, so an exported job carries
+    #: them): what it must know of the other methods, which it does not import (this registry imports it)
+    controller_args: Callable[[], Mapping] | None = None
 
 
 C = Column
@@ -208,7 +211,8 @@ METHODS: dict[str, Method] = {
         inside={"centralized": (C("Centralized", "centralized", "global", "unet"),
                                 C("Centralized (LC-Fed net)", "centralized_lcnet", "global", "lcnet"))}),
     # every final model of a training run at every site (any training job: cross_site.bundle; FedAvg's by default)
-    "cross_site": Method(CrossSiteController, CrossSiteSite, ("cross_site",), after=("fedavg", "cross_site", {})),
+    "cross_site": Method(CrossSiteController, CrossSiteSite, ("cross_site",), after=("fedavg", "cross_site", {}),
+                         controller_args=lambda: {"personalized_methods": personalized_methods()}),
 }
 
 
@@ -240,3 +244,15 @@ def method(cfg: dict, source: str | None = None) -> Method:
     entry = METHODS[name]
     entry.controller.check_config(cfg, source)
     return entry
+
+
+def personalized_methods() -> list[str]:
+    """The registered methods whose sites keep their own models (their site class's ``personalized``)."""
+    return sorted(name for name, entry in METHODS.items() if entry.site.personalized)
+
+
+def server_controller(cfg: dict):
+    """The server's workflow of job config ``cfg`` (``pflseg.flare.jobs.build_job``): its method's controller (after
+    the method's own config checks, ``method``) with ``own_config(cfg)`` and the registry's ``controller_args``."""
+    entry = method(cfg)
+    return entry.controller(config=own_config(cfg), **(entry.controller_args() if entry.controller_args else {}))

@@ -6,7 +6,8 @@ A site's policy is the ``policy`` object of its site-local settings (``local/pfl
 ===========================  =======  ============================================================================
 key                          default  the site allows
 ===========================  =======  ============================================================================
-``methods``                  null     these methods only (names of ``pflseg.flare.methods.METHODS``); null: any
+``methods``                  null     these methods only (names of ``pflseg.flare.methods.METHODS``: checked where
+                                      the registry is, ``check_policy``'s ``registered``); null: any
 ``per_case``                 null*    Dice per case (pseudonymised) in its replies (the job's ``privacy.per_case``)
 ``round_test``               true     per-round test scores, IOP-FL's (the job's ``privacy.round_test``)
 ``publish``                  true     its personalized model leaving it (what a method sends: its site class's
@@ -59,6 +60,7 @@ gets the job's real id. A site called in-process without FLARE (tests) has no jo
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -133,11 +135,18 @@ WANT = {"bool": "true or false", "optional bool": "true, false or null", "method
         "count": "null or an integer >= 1", "number": "a number >= 0", "optional number": "null or a number >= 0"}
 
 
-def check_policy(policy, source: str, site: str = "this site") -> dict:
+def check_policy(policy, source: str, site: str = "this site", registered: Collection[str] | None = None) -> dict:
     """The effective policy: ``policy`` (the settings' ``policy`` object, may be None) over the defaults.
 
+    Args:
+        registered: the registered method names (``pflseg.flare.methods.METHODS``), from a caller that has the
+            registry (the site's entry point ``pflseg.flare.client.answer``, ``pflseg site init`` and ``site
+            check``): ``policy.methods`` may name only these. None: not checked here (this module sits below the
+            registry; a job whose method the policy does not list is refused by ``check_task`` all the same).
+
     Raises:
-        PolicyError: an unknown key or a value of the wrong kind, naming the file and the key.
+        PolicyError: an unknown key, a value of the wrong kind or (with ``registered``) an unknown method, naming the
+            file and the key.
     """
     if policy is None:
         policy = {}
@@ -153,13 +162,11 @@ def check_policy(policy, source: str, site: str = "this site") -> dict:
         if not _kind_ok(kind, value):
             raise PolicyError(f"site {site}: policy.{key} in {source} must be {WANT[kind]}, got {value!r}")
         out[key] = value
-    if out["methods"] is not None:
-        from pflseg.flare.methods import METHODS
-
-        wrong = [m for m in out["methods"] if m not in METHODS]
+    if out["methods"] is not None and registered is not None:
+        wrong = [m for m in out["methods"] if m not in registered]
         if wrong:
             raise PolicyError(f"site {site}: policy.methods in {source} names unknown method(s) {wrong}; "
-                              f"known: {', '.join(METHODS)}")
+                              f"known: {', '.join(registered)}")
     return out
 
 
@@ -181,20 +188,21 @@ def _refuse(site: str, settings: dict, key: str, what: str, fix: str, job_id: st
                        f"{settings.get('policy_source', settings['source'])}); {fix}")
 
 
-def check_task(site: str, task: str, cfg: dict, sites: list[str], settings: dict, job_id: str | None) -> None:
+def check_task(site: str, task: str, cfg: dict, sites: list[str], settings: dict, job_id: str | None, entry) -> None:
     """Refuse what the site's policy does not allow in job ``cfg`` (the server's config) with ``sites``, before
     the site is made and before every task (``pflseg.flare.client.answer``). A scoring task that passes counts
     towards ``max_evaluations_per_job``; a deployed training job's state folder gets its ``ORIGIN`` once the site has
     claimed it (``record_origin``); a deployed ``own_model`` task reads the trained job's folder only when its origin
     matches (``check_bundle_origin``).
 
+    Args:
+        entry: the registry entry of the job's method (``pflseg.flare.methods.method(cfg)``), from the caller: this
+            module sits below the registry.
+
     Raises:
         PolicyError: names the site, the setting (key and file) and what the job or the site can change.
     """
-    from pflseg.flare.methods import method as registered
-
     policy, method, on_prod = settings["policy"], cfg["method"], deployed(job_id)
-    entry = registered(cfg)
     if policy["methods"] is not None and method not in policy["methods"]:
         raise _refuse(site, settings, "methods", f"method '{method}' (job {cfg['name']})",
                       "submit a job of an allowed method, or add it at the site (`pflseg site init --methods ...`)")

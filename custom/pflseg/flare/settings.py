@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Collection
 from pathlib import Path
 
 from pflseg.data import DataError, check_dataset, load_dataset_info, make_synthetic, require_valid
@@ -33,9 +34,10 @@ KEYS = ("data", "data_site", "device", "state_dir", "threads", "policy")
 SETTINGS_FILE = "pflseg_site.json"
 
 
-def site_settings(site: str, folder: str | Path | None = None) -> dict:
+def site_settings(site: str, folder: str | Path | None = None, registered: Collection[str] | None = None) -> dict:
     """Site-local settings (see module docstring) plus ``source``: where they came from (``policy_source``: where
-    the policy came from). ``folder``: the site's working directory (default: the current one)."""
+    the policy came from). ``folder``: the site's working directory (default: the current one); ``registered``: the
+    registered method names, which ``policy.methods`` must be among (``pflseg.flare.policy.check_policy``)."""
     settings = {"data": None, "data_site": None, "device": "auto", "state_dir": None, "threads": 0, "policy": None,
                 "source": "defaults", "policy_source": "defaults (no site settings file)"}
     env_file = os.environ.get("PFLSEG_SITE_CONFIG")
@@ -66,25 +68,26 @@ def site_settings(site: str, folder: str | Path | None = None) -> dict:
         settings["device"] = os.environ["PFLSEG_DEVICE"]
     if os.environ.get("PFLSEG_THREADS"):
         settings["threads"] = int(os.environ["PFLSEG_THREADS"])
-    settings["policy"] = check_policy(settings["policy"], settings["policy_source"], site)
+    settings["policy"] = check_policy(settings["policy"], settings["policy_source"], site, registered)
     return settings
 
 
 def init_site(site_dir: str | Path, site: str, data: str | Path, data_site: str | None = None,
               device: str | None = None, state_dir: str | Path | None = None, policy: dict | None = None,
-              threads: int | None = None, say=None) -> tuple[Path, list[str], list[str]]:
+              threads: int | None = None, say=None,
+              registered: Collection[str] | None = None) -> tuple[Path, list[str], list[str]]:
     """Check, then write ``<site_dir>/local/pflseg_site.json`` (mode 0600) for FLARE site ``site``
     (``pflseg site init``); a ``state_dir`` is made with mode 0700 (it may lie outside the kit). What is not given
     here (None: ``data_site``, ``device``, ``state_dir``, ``threads``, each key of ``policy``) keeps the value of
     the settings file already there, e.g. the ``threads`` ``pflseg deploy local`` wrote; ``device`` is ``auto``
-    when neither says.
+    when neither says. ``registered``: the registered method names, which ``policy.methods`` must be among.
 
     Returns:
         ``(settings file, problems, kept)``: nothing is written when there are problems (``check_site``); ``kept``
         names the earlier settings kept (``threads=2``, ``policy.methods``).
 
     Raises:
-        PolicyError: ``policy`` has an unknown key or a value of the wrong kind.
+        PolicyError: ``policy`` has an unknown key, a value of the wrong kind or an unknown method.
         DataError: the settings file there is not valid (named, with the fix).
     """
     target = Path(site_dir) / "local" / SETTINGS_FILE
@@ -101,7 +104,7 @@ def init_site(site_dir: str | Path, site: str, data: str | Path, data_site: str 
             if k in earlier and given[k] is None]
     kept += [f"policy.{k}" for k in (earlier.get("policy") or {}) if k not in (policy or {})]
     settings = {"data_site": None, "state_dir": None, "threads": 0, **body,
-                "policy": check_policy(merged_policy or None, str(target), site)}
+                "policy": check_policy(merged_policy or None, str(target), site, registered)}
     problems = check_site(site, settings, say)  # say: progress lines while the site's files are read
     if problems:
         return target, problems, kept
@@ -129,10 +132,12 @@ def _earlier_settings(target: Path, site: str) -> dict:
     return earlier
 
 
-def site_report(site_dir: str | Path, site: str, say=None) -> tuple[list[str], list[str]]:
+def site_report(site_dir: str | Path, site: str, say=None,
+                registered: Collection[str] | None = None) -> tuple[list[str], list[str]]:
     """What the site in ``site_dir`` runs with (``pflseg site check``): ``(lines, problems)``, lines naming its
-    settings, where its state goes, its policy and whether its data validates."""
-    settings = site_settings(site, site_dir)
+    settings, where its state goes, its policy and whether its data validates (``registered``: the registered method
+    names, which ``policy.methods`` must be among)."""
+    settings = site_settings(site, site_dir, registered)
     state_root = (f"{os.environ['PFLSEG_STATE_DIR']}/{site} (environment PFLSEG_STATE_DIR)"
                   if os.environ.get("PFLSEG_STATE_DIR") else settings["state_dir"]
                   or f"{Path(site_dir).resolve() / 'pflseg_state'} (default: inside the kit)")

@@ -10,7 +10,9 @@ import pytest
 from nvflare.app_common.abstract.fl_model import FLModel
 
 from pflseg.config import check_effective, load_job_config
-from pflseg.flare.policy import POLICY, SIMULATOR_JOB_ID, PolicyError, check_policy, check_task, deployed
+from pflseg.flare import policy as site_policy
+from pflseg.flare.methods import METHODS, method
+from pflseg.flare.policy import POLICY, SIMULATOR_JOB_ID, PolicyError, check_policy, deployed
 from pflseg.flare.settings import site_settings
 
 THREE = ["site-1", "site-2", "site-3"]
@@ -19,6 +21,11 @@ PROD = "0d3c2f6e-job"  # a POC / provisioned job id (FLARE's simulator runs ever
 
 def job(name="fedavg", **over):
     return check_effective(load_job_config(name, overrides=over))
+
+
+def check_task(site, task, cfg, sites, settings, job_id):
+    """``pflseg.flare.policy.check_task`` given the job's registry entry, as ``pflseg.flare.client.answer`` calls it."""
+    site_policy.check_task(site, task, cfg, sites, settings, job_id, method(cfg))
 
 
 def settings_with(tmp_path, monkeypatch, data="/data/pflseg", **policy):
@@ -103,7 +110,30 @@ def test_a_deployed_site_without_data_refuses_the_synthetic_fallback_unless_the_
 ])
 def test_a_malformed_policy_is_an_error_naming_the_file_and_key(policy, match):
     with pytest.raises(PolicyError, match=match):
-        check_policy(policy, "/opt/site-1/local/pflseg_site.json", "site-1")
+        check_policy(policy, "/opt/site-1/local/pflseg_site.json", "site-1", METHODS)
+
+
+def test_the_method_names_are_checked_by_the_callers_that_have_the_registry(tmp_path, monkeypatch):
+    """policy.py sits below the registry: the names are checked where the registry is given (the site's entry point,
+    ``pflseg site init`` and ``site check``); a job of a method the policy does not list is refused all the same."""
+    from pflseg.deploy.site_setup import site_check, site_init
+    from pflseg.flare.client import answer
+
+    assert check_policy({"methods": ["fedfoo"]}, "a file", "site-1")["methods"] == ["fedfoo"]  # no registry given
+    monkeypatch.setenv("PFLSEG_STATE_DIR", str(tmp_path / "state"))
+    settings = settings_with(tmp_path, monkeypatch, data=str(tmp_path / "nowhere"), methods=["fedavg", "fedfoo"])
+    msg = FLModel(params={}, current_round=0, meta={"pflseg": job("fedavg"), "sites": THREE})
+    out, site = answer("site-1", "train", msg, None, PROD)
+    assert site is None and "unknown method(s) ['fedfoo']" in out.meta["pflseg_error"]
+    with pytest.raises(PolicyError, match=r"refuses method 'fedbn'"):
+        check_task("site-1", "train", job("fedbn"), THREE, settings, PROD)
+    (tmp_path / "startup").mkdir()
+    (tmp_path / "startup" / "fed_client.json").write_text("{}")  # a site's kit
+    with pytest.raises(PolicyError, match=r"policy\.methods in .*pflseg_site\.json names unknown method\(s\) "
+                                          r"\['fedfoo'\]"):
+        site_check(tmp_path, "site-1", say=lambda line: None)
+    with pytest.raises(PolicyError, match=r"unknown method\(s\) \['fedbar'\]"):
+        site_init(tmp_path, tmp_path / "nowhere", "site-1", policy={"methods": ["fedbar"]}, say=lambda line: None)
 
 
 def test_the_site_refuses_before_it_is_made_and_before_every_task(tmp_path, monkeypatch):

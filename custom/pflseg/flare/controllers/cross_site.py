@@ -12,12 +12,13 @@ The models (columns):
 - ``global``: the trained run's best global model by validation (``best.*`` of ``final.pt``), when its final test
   scored one (its ``results.json`` test entries hold ``global``);
 - ``<site>``: site k's personalized model, with ``cross_site.personal`` and a personalized method (its registry
-  entry's site class). Held by the server (``bestperson.<site>.*`` / ``person.<site>.*`` of ``final.pt``: FedSM):
-  sent to every site. Kept at the sites (FedBN, Local, IOP-FL's P_k, GRACE, FT): task ``own_model`` first; each
-  such site scores its own best model on its own test split and hands it out only when its policy allows
-  publishing (``pflseg.flare.policy``, ``publish``); a published model goes to every other site, an unpublished
-  one fills the site's own cell only, and the notes say so. LC-Fed nets' personalized models predict with their
-  site's PCS index and the other sites' heads, which a plain evaluation does not reproduce: left out, said so.
+  entry's site class; the registry names them when it builds the job: ``personalized_methods``). Held by the
+  server (``bestperson.<site>.*`` / ``person.<site>.*`` of ``final.pt``: FedSM): sent to every site. Kept at the
+  sites (FedBN, Local, IOP-FL's P_k, GRACE, FT): task ``own_model`` first; each such site scores its own best model
+  on its own test split and hands it out only when its policy allows publishing (``pflseg.flare.policy``,
+  ``publish``); a published model goes to every other site, an unpublished one fills the site's own cell only, and
+  the notes say so. LC-Fed nets' personalized models predict with their site's PCS index and the other sites'
+  heads, which a plain evaluation does not reproduce: left out, said so.
 
 Every site (the trained sites, and sites that never trained: rows only) scores what it is sent on its test split
 with the one evaluation path (``pflseg.train.evaluate``) and replies metrics only. The models are the trained
@@ -53,8 +54,19 @@ def matrix_markdown(matrix: dict, models: list[str], notes: list[str] = ()) -> s
 
 
 class CrossSiteController(PostTrainingController):
+    """Every final model of the trained run at every site (see the module docstring).
+
+    Args:
+        personalized_methods: the registered methods whose sites keep their own models
+            (``pflseg.flare.methods.personalized_methods``, given by the registry when it builds the job).
+    """
+
     task_metrics = {"own_model": {"own": "dict"}, "cross_site": {"scores": "dict"}}
     task_meta = {"own_model": {"published": "count"}}
+
+    def __init__(self, config: dict, personalized_methods: list[str], task_check_period: float = 0.2):
+        super().__init__(config, task_check_period)
+        self.personalized_methods = list(personalized_methods)  # the attribute FLARE's export writes back
 
     def post_training(self) -> dict:
         folder = self.bundle_folder("cross_site.bundle")
@@ -113,11 +125,9 @@ class CrossSiteController(PostTrainingController):
 
     def personal(self, trained: dict) -> bool:
         """Whether the trained run's personalized models are scored: ``cross_site.personal``, a method whose sites
-        keep their own models (its registry entry), and a plain network (not LC-Fed's, see the module docstring)."""
-        from pflseg.flare.methods import METHODS  # the registry imports this module
-
-        entry = METHODS.get(trained["method"])
-        return bool(self.cfg["cross_site"]["personal"] and entry is not None and entry.site.personalized
+        keep their own models (``personalized_methods``), and a plain network (not LC-Fed's, see the module
+        docstring)."""
+        return bool(self.cfg["cross_site"]["personal"] and trained["method"] in self.personalized_methods
                     and self.cfg["net"]["name"] != "lcfed")
 
     def site_models(self, trained: dict, models: dict, notes: list[str]) -> tuple[dict, dict, list[str]]:

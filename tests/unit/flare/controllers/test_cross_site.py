@@ -2,6 +2,7 @@
 personalized models kept at the sites scored elsewhere only when their site publishes them."""
 
 import json
+from pathlib import Path
 
 import torch
 from nvflare.app_common.abstract.fl_model import FLModel
@@ -9,7 +10,7 @@ from nvflare.app_common.abstract.fl_model import FLModel
 from pflseg.config import load_job_config
 from pflseg.eval.plots import write_results
 from pflseg.eval.tables import run_tables
-from pflseg.flare.methods import METHODS
+from pflseg.flare.methods import personalized_methods, server_controller
 from pflseg.flare.state import prefixed, save_file
 from pflseg.nets import build_net
 from tests.unit.flare.controllers.conftest import SITES, TINY, Stub
@@ -35,7 +36,7 @@ def run(tmp_path, monkeypatch, folder, own=None, **over):
     """Run the cross_site controller against ``folder``; ``own(site)``: the site's answer to ``own_model``."""
     monkeypatch.setenv("PFLSEG_STATE_DIR", str(tmp_path))
     cfg = load_job_config("cross_site", overrides={**TINY, "cross_site": {"bundle": str(folder)}, **over})
-    ctrl = METHODS["cross_site"].controller(config=cfg)
+    ctrl = server_controller(cfg)
     ctrl.sample_clients = lambda: list(SITES)
     ctrl.get_run_dir = lambda: str(tmp_path / "run")
     ctrl.info = ctrl.warning = ctrl.error = lambda msg: None
@@ -131,10 +132,22 @@ def test_personal_false_scores_the_global_model_only(tmp_path, monkeypatch):
 def test_a_folder_without_a_finished_run_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("PFLSEG_STATE_DIR", str(tmp_path))
     cfg = load_job_config("cross_site", overrides={**TINY, "cross_site": {"bundle": str(tmp_path / "server" / "x")}})
-    ctrl = METHODS["cross_site"].controller(config=cfg)
+    ctrl = server_controller(cfg)
     ctrl.sample_clients = lambda: list(SITES)
     ctrl.info = lambda msg: None
     panics = []
     ctrl.panic = panics.append
     ctrl.run()
     assert len(panics) == 1 and "holds no finished run" in panics[0]
+
+
+def test_the_registry_names_the_personalized_methods_in_the_job_it_builds():
+    """The controller does not import the registry (which imports it): the registry gives it the methods whose sites
+    keep their own models, and the exported job carries them (tests/unit/flare/test_jobs.py: jobs/ is a fresh
+    export)."""
+    named = personalized_methods()
+    assert {"fedbn", "local", "fedsm", "iopfl", "grace", "ft"} <= set(named) and "fedavg" not in named
+    ctrl = server_controller(load_job_config("cross_site"))
+    assert ctrl.personalized_methods == named
+    exported = Path(__file__).resolve().parents[4] / "jobs" / "cross_site" / "app" / "config" / "config_fed_server.json"
+    assert json.loads(exported.read_text())["workflows"][0]["args"]["personalized_methods"] == named
