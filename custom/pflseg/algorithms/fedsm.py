@@ -51,6 +51,20 @@ Inference (Algorithm 2)
 Both routing rules return a *model choice* per sample in one convention: ``GLOBAL`` (-1) for the global
 model, k in 0..K-1 for the personalized model of site k (so ``personalized[choice]`` indexes the list of
 personalized models, in site order).
+
+Mixing (``fedsm.mixing``: ``hard`` = the paper's Algorithm 2, default | ``soft``)
+    Both give each image a weight vector w (K + 1,) over the models, column 0 = w_g, column k + 1 = w_p,k, and
+    the prediction  p(x) = sum_m w_m sigmoid(f(w_m; x)) > 0.5:  a mix of the models' PROBABILITIES (the sigmoid
+    outputs per class channel), never of their logits (``mix_probabilities``). ``hard``: w is the one-hot of the
+    routed choice (``hard_weights``). ``soft`` (``mixing_weights``): the selector's posterior s weighs the
+    personalized models, and a site whose posterior does not exceed gamma gives its share to the global model:
+
+        w_p,k = s_k if s_k > gamma else 0;    w_g = sum_{k: s_k <= gamma} s_k    (so sum_m w_m = sum_k s_k = 1)
+
+    gamma = 1: the global model alone (as hard); gamma = 0: the posterior-weighted mix of the personalized models;
+    gamma >= 0.5: at most one site passes, so p = s_k* p_k* + (1 - s_k*) p_g when s_k* > gamma, else p_g. With a
+    one-hot posterior soft equals hard at every gamma. FedSM-extra (``mixing_weights_extra``): the (K+1)-way
+    posterior is the weight vector itself (its class 0 is the global model); no gamma.
 """
 
 from __future__ import annotations
@@ -207,6 +221,101 @@ def route_extra(scores: torch.Tensor) -> torch.Tensor:
 def extra_class_to_choice(classes: torch.Tensor) -> torch.Tensor:
     """Map FedSM-extra classes (0 = global, k + 1 = site k) to model choices (``GLOBAL``, k)."""
     return classes.to(torch.long) - 1  # class 0 -> -1 == GLOBAL
+
+
+# ---------------------------------------------------------------------------------------------------
+# Mixing: per-image model weights (column 0 = global, k + 1 = personalized k) and the mixed prediction
+# ---------------------------------------------------------------------------------------------------
+
+#: Values of ``fedsm.mixing`` (see "Mixing" in the module docstring).
+MIXINGS = ("hard", "soft")
+
+
+def hard_weights(choices: torch.Tensor, num_sites: int) -> torch.Tensor:
+    """The one-hot weights of routed choices (``route`` / ``route_extra``).
+
+    Args:
+        choices: (B,) in {``GLOBAL``, 0..K-1}.
+        num_sites: K.
+
+    Returns:
+        float32 (B, K+1): column 0 = global model, column k + 1 = personalized model k.
+    """
+    if choices.ndim != 1 or (choices.numel() and (choices.min() < GLOBAL or choices.max() >= num_sites)):
+        raise ValueError(f"choices must be (B,) in [{GLOBAL}, {num_sites}), got shape {tuple(choices.shape)}")
+    return torch.nn.functional.one_hot(choices.long() + 1, num_sites + 1).float()
+
+
+def mixing_weights(probs: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Soft FedSM: each model's share of an image's prediction from the selector's posterior.
+
+    w_p,k = s_k if s_k > gamma else 0;  w_g = sum of the s_k <= gamma (the sites the selector is not confident
+    enough about give their share to the global model). Rows are renormalised to sum to exactly 1.
+
+    Args:
+        probs: (B, K) softmax probabilities of the K-way selector (after the temperature).
+        gamma: threshold in [0, 1], the hard rule's (``route``): gamma = 1 gives the global model alone.
+
+    Returns:
+        float32 (B, K+1): column 0 = global model, column k + 1 = personalized model k; each row >= 0, summing to 1.
+        A one-hot row of ``probs`` gives ``hard_weights(route(probs, gamma))``.
+
+    Raises:
+        ValueError: naming ``gamma`` or ``probs`` when out of range or of the wrong shape.
+    """
+    gamma = float(gamma)
+    if not (0.0 <= gamma <= 1.0):
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    _check_probs(probs)
+    s = probs.detach().to(torch.float64)
+    keep = s > gamma
+    personal = torch.where(keep, s, torch.zeros_like(s))
+    weights = torch.cat([(s - personal).sum(dim=1, keepdim=True), personal], dim=1)
+    return (weights / weights.sum(dim=1, keepdim=True)).float()
+
+
+def mixing_weights_extra(probs: torch.Tensor) -> torch.Tensor:
+    """Soft FedSM-extra: the (K+1)-way posterior is the weight vector (class 0 = global model = column 0).
+
+    Args:
+        probs: (B, K+1) softmax probabilities of the FedSM-extra selector, K >= 1.
+
+    Returns:
+        float32 (B, K+1), rows renormalised to sum to exactly 1; a one-hot row gives ``hard_weights(route_extra)``.
+    """
+    if probs.ndim != 2 or probs.shape[1] < 2:
+        raise ValueError(f"probs must have shape (B, K+1) with K >= 1, got {tuple(probs.shape)}")
+    _check_probs(probs)
+    s = probs.detach().to(torch.float64)
+    return (s / s.sum(dim=1, keepdim=True)).float()
+
+
+def mix_probabilities(probabilities: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The super model's probability map: per image, the weighted sum of the models' probabilities.
+
+    Probabilities (sigmoid outputs, per class channel), not logits, are mixed: the result is the probability of a
+    mixture of the models, and a model with weight 1 gives back its own map exactly (threshold it at 0.5 as usual).
+
+    Args:
+        probabilities: (B, M, C, H, W) the M = K + 1 models' probabilities in [0, 1], in the weights' column order
+            (global model first).
+        weights: (B, M) per image, >= 0, rows summing to 1 (``hard_weights``, ``mixing_weights``,
+            ``mixing_weights_extra``).
+
+    Returns:
+        (B, C, H, W) in [0, 1], the dtype of ``probabilities``.
+
+    Raises:
+        ValueError: naming the argument: shapes that disagree, negative weights or rows not summing to 1.
+    """
+    if probabilities.ndim < 3 or weights.ndim != 2 or tuple(weights.shape) != tuple(probabilities.shape[:2]):
+        raise ValueError(f"probabilities (B, M, ...) and weights (B, M) must agree, got {tuple(probabilities.shape)} "
+                         f"and {tuple(weights.shape)}")
+    w = weights.detach().to(torch.float64)
+    if (w < 0).any() or not torch.allclose(w.sum(dim=1), torch.ones(w.shape[0], dtype=torch.float64), atol=1e-5):
+        raise ValueError("weights: every row must be >= 0 and sum to 1")
+    w = weights.to(probabilities.dtype).reshape(*weights.shape, *([1] * (probabilities.ndim - 2)))
+    return (w * probabilities).sum(dim=1)
 
 
 def _check_probs(probs: torch.Tensor) -> None:

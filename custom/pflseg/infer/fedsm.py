@@ -9,6 +9,15 @@ where v is the selector's input rule (``pflseg.algorithms.fedsm.selector_view``:
 and T its temperature (``pflseg.algorithms.fedsm.route``). FedSM-extra uses a (K+1)-way selector whose argmax
 names the model directly, class 0 being the global one (``route_extra``); no gamma.
 
+Mixing (``mixing``: ``fedsm.mixing``, see "Mixing" in ``pflseg.algorithms.fedsm``): ``hard`` (default) is the rule
+above. ``soft`` predicts each image with the weighted mix of every model's probabilities (sigmoid outputs, not
+logits), ``sum_m w_m sigmoid(f(w_m; x)) > 0.5``, the weights w over [global, personalized 0..K-1] being the
+selector's posterior with every site at or below gamma giving its share to the global model (``mixing_weights``;
+FedSM-extra: the (K+1)-way posterior, ``mixing_weights_extra``). The fallback below sets an unfamiliar image's
+weights to the global model alone under either mixing. Every route's ``selection`` is the mean weight per model
+over the images (hard: the fraction of images routed to it) and ``selected`` counts images by their model of
+largest weight (ties: the global model first, then the lowest site); the result says which ``mixing`` it used.
+
 Familiarity fallback (outside sites; ``familiarity`` + ``familiar_tau``): the selector's posterior is only
 meaningful for images like the ones its head was fitted on. With the LDA head's Gaussians (class means and
 shared precision, ``pflseg.algorithms.fedsm.lda_gaussians``) every image gets d2_min, its squared
@@ -19,7 +28,8 @@ and ``super_nofallback`` as routed by the selector alone.
 
 One pass over the dataset (in order, no shuffle) computes the selector's probabilities and the
 ``sigmoid(logits) > 0.5`` predictions of the models that any routing rule (or the report) needs for the
-batch; every gamma is then a choice of already computed predictions. Dice is per case: a case's slices
+batch (soft: every model, and each route's mixed prediction); every gamma is then a choice of already computed
+predictions. Dice is per case: a case's slices
 are stacked in slice order into a (C, H, W, D) volume and scored by ``pflseg.train.evaluate.dice_scores``
 (the project's one Dice). Only samples with ``has_label`` count for Dice; selection frequencies count
 every sample.
@@ -46,7 +56,18 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from pflseg.algorithms.fedsm import GLOBAL, min_mahalanobis, route, route_extra, selector_view
+from pflseg.algorithms.fedsm import (
+    GLOBAL,
+    MIXINGS,
+    hard_weights,
+    min_mahalanobis,
+    mix_probabilities,
+    mixing_weights,
+    mixing_weights_extra,
+    route,
+    route_extra,
+    selector_view,
+)
 from pflseg.train.evaluate import amp_forward
 from pflseg.train.loop import amp_dtype, make_loader
 from pflseg.train.predictions import case_dice, case_names, case_sources, write_predictions
@@ -80,6 +101,7 @@ def evaluate_super_model(
     familiarity: dict | None = None,
     familiar_tau: float | None = None,
     amp: str = "off",
+    mixing: str = "hard",
 ) -> dict:
     """Score the FedSM super model (and the global / own personalized model) on one site's data.
 
@@ -112,15 +134,19 @@ def evaluate_super_model(
         familiar_tau: with ``familiarity``: samples with d2_min > tau go to the global model (the fallback);
             None: no fallback.
         amp: ``train.amp`` (off | bf16 | fp16) of the forward passes (module docstring).
+        mixing: ``fedsm.mixing``: "hard" (one model per image, the paper's) or "soft" (the posterior-weighted mix
+            of the models' probabilities; module docstring).
 
     Returns:
         ``{"n_images", "n_cases", "global": {"dice", "dice_per_class", "per_case"},
         "personalized": {...} or None, "super": {str(float(gamma)) or "extra": {"dice", "dice_per_class",
-        "per_case", "selection", "selected"}}, "temperature", "predictions": str(out_dir) or None}``. ``dice``
+        "per_case", "selection", "selected"}}, "temperature", "mixing", "predictions": str(out_dir) or None}``.
+        ``dice``
         is the mean over labelled cases and classes, ``dice_per_class`` the per-class mean over labelled
         cases; both are None (and ``per_case`` empty) when no sample has a label. ``selected`` has K + 1
-        counts of images (the selection histogram): index 0 = global model, index k + 1 = personalized
-        model k; ``selection`` the same as fractions of all samples (they sum to 1).
+        counts of images (the selection histogram; soft: by each image's model of largest weight): index 0 =
+        global model, index k + 1 = personalized model k; ``selection`` the mean weight per model over all
+        samples (hard: the fraction of samples routed to it; they sum to 1).
         ``n_cases`` counts all cases, labelled or not. ``per_case`` maps a case's file name (the
         sanitised case id, see ``out_dir``) to its per-class Dice. With ``familiarity`` also ``"d2_min"``:
         one float per sample in dataset order; with ``familiar_tau`` also ``"super_nofallback"`` (the ``super``
@@ -130,7 +156,7 @@ def evaluate_super_model(
     Raises:
         ValueError: naming the argument: empty ``personalized`` or dataset, a gamma outside [0, 1],
             ``own_index`` out of range, a selector output of the wrong shape, an unknown encoding,
-            ``familiar_tau`` without ``familiarity`` or not a number >= 0.
+            ``familiar_tau`` without ``familiarity`` or not a number >= 0, an unknown ``mixing``.
     """
     num_sites = len(personalized)
     if num_sites < 1:
@@ -140,6 +166,8 @@ def evaluate_super_model(
     if own_index is not None and (isinstance(own_index, bool) or not isinstance(own_index, int)
                                   or not 0 <= own_index < num_sites):
         raise ValueError(f"own_index must be None or an int in [0, {num_sites}), got {own_index!r}")
+    if mixing not in MIXINGS:
+        raise ValueError(f"mixing={mixing!r}: expected one of {MIXINGS} (fedsm.mixing)")
     if label_encoding not in ("nested", "exclusive"):
         raise ValueError(f"label_encoding={label_encoding!r}: expected 'nested' or 'exclusive'")
     if not (float(temperature) > 0.0 and float(temperature) != float("inf")):
@@ -161,7 +189,8 @@ def evaluate_super_model(
     for m in (*models.values(), selector):
         m.to(device).eval()
 
-    # Per sample: (site, case), slice, has_label, {model key: pred (C, H, W) bool}, label, route -> choice.
+    # Per sample: (site, case), slice, has_label, {prediction key: pred (C, H, W) bool}, label, route -> choice (the
+    # key of its prediction: the model's under hard, the route's mixed one under soft), route -> weights (K + 1,).
     samples: list[dict] = []
     progress = Progress("FedSM super model: selector and models", total=len(dataset), unit="images")
     with torch.no_grad():
@@ -172,27 +201,38 @@ def evaluate_super_model(
             has_label = _as_bools(batch.get("has_label"), n)
             intensity = batch.get("intensity")
             seen = selector_view(images, intensity.to(device) if intensity is not None else None, selector_input)
-            choices = _route_batch(amp_forward(selector, seen, dtype) / float(temperature), all_routes, num_sites,
-                                   extra)
+            weights = _weights_batch(amp_forward(selector, seen, dtype) / float(temperature), all_routes, num_sites,
+                                     extra, mixing)
             d2 = (min_mahalanobis(amp_forward(selector.embed, seen, dtype), familiarity["mean"],
                                   familiarity["precision"]).tolist()
                   if familiarity is not None else [None] * n)
             if familiar_tau is not None:  # unfamiliar images: the global model, whatever the selector says
-                far = torch.tensor([v > float(familiar_tau) for v in d2])
-                choices = {**{f"{r}{_RAW}": c for r, c in choices.items()},
-                           **{r: torch.where(far, torch.full_like(c, GLOBAL), c) for r, c in choices.items()}}
-            needed = [set() for _ in range(n)]  # model keys whose prediction sample i must keep
+                far = torch.tensor([v > float(familiar_tau) for v in d2])[:, None]
+                alone = hard_weights(torch.full((n,), GLOBAL), num_sites)
+                weights = {**{f"{r}{_RAW}": w for r, w in weights.items()},
+                           **{r: torch.where(far, alone, w) for r, w in weights.items()}}
+            choices = ({r: [int(c) for c in w.argmax(dim=1) - 1] for r, w in weights.items()} if mixing == "hard"
+                       else {r: [r] * n for r in weights})
+            needed: list[set] = [set() for _ in range(n)]  # prediction keys sample i must keep
             for i in range(n):
                 if has_label[i]:
                     needed[i].add(_G)
-                    needed[i].update(int(c[i]) for c in choices.values())  # every route, with and without fallback
+                    needed[i].update(c[i] for c in choices.values())  # every route, with and without fallback
                     if own_index is not None:
                         needed[i].add(own_index)
                 if out_dir is not None:
-                    needed[i].add(int(choices[save_route][i]))
+                    needed[i].add(choices[save_route][i])
+            keys = set().union(*needed)
+            mixed = sorted(k for k in keys if isinstance(k, str))  # soft routes some sample needs
             preds = {}
-            for key in sorted(set().union(*needed)):  # only models some sample of the batch needs
-                preds[key] = (torch.sigmoid(amp_forward(models[key], images, dtype)) > 0.5).cpu()
+            probs = {}
+            for key in sorted(set(models) if mixed else keys):  # only models some sample of the batch needs
+                probs[key] = torch.sigmoid(amp_forward(models[key], images, dtype)).cpu()
+                preds[key] = probs[key] > 0.5
+            if mixed:
+                stacked = torch.stack([probs[k] for k in (_G, *range(num_sites))], dim=1)  # (B, K+1, C, H, W)
+                for r in mixed:
+                    preds[r] = mix_probabilities(stacked, weights[r]) > 0.5
             sites = batch.get("site", [""] * n)
             for i in range(n):
                 samples.append({
@@ -201,7 +241,8 @@ def evaluate_super_model(
                     "has_label": has_label[i],
                     "preds": {k: preds[k][i] for k in needed[i]},
                     "label": batch["label"][i] > 0.5 if has_label[i] else None,
-                    "choice": {r: int(c[i]) for r, c in choices.items()},
+                    "choice": {r: c[i] for r, c in choices.items()},
+                    "weight": {r: w[i] for r, w in weights.items()},
                     "d2": d2[i],
                 })
     progress.done()
@@ -220,6 +261,7 @@ def evaluate_super_model(
         "personalized": None if own_index is None else case_dice(by_case, names, lambda s: own_index),
         "super": {},
         "temperature": float(temperature),
+        "mixing": mixing,
         "predictions": None,
     }
     result["super"] = {r: _super_entry(by_case, names, samples, r, num_sites) for r in routes}
@@ -248,8 +290,10 @@ def _gamma_key(gamma, name: str) -> str:
     return str(g)
 
 
-def _route_batch(logits: torch.Tensor, route_keys: Sequence[str], num_sites: int, extra: bool) -> dict:
-    """Selector logits (B, K) or (B, K+1) -> {route key: LongTensor (B,) of choices (GLOBAL or k)}."""
+def _weights_batch(logits: torch.Tensor, route_keys: Sequence[str], num_sites: int, extra: bool,
+                   mixing: str) -> dict:
+    """Selector logits (B, K) or (B, K+1) -> {route key: (B, K+1) weights over [global, personalized 0..K-1]}:
+    one-hot of the routed choice (hard) or the posterior's mix (soft)."""
     want = num_sites + 1 if extra else num_sites
     if logits.ndim != 2 or logits.shape[1] != want:
         rule = "FedSM-extra needs K + 1" if extra else "FedSM needs K"
@@ -257,24 +301,20 @@ def _route_batch(logits: torch.Tensor, route_keys: Sequence[str], num_sites: int
                          f"personalized models), got {tuple(logits.shape)}")
     probs = torch.softmax(logits.detach().float(), dim=1).cpu()
     if extra:
-        return {EXTRA: route_extra(probs)}
-    return {r: route(probs, float(r)) for r in route_keys}
+        return {EXTRA: hard_weights(route_extra(probs), num_sites) if mixing == "hard" else mixing_weights_extra(probs)}
+    if mixing == "hard":
+        return {r: hard_weights(route(probs, float(r)), num_sites) for r in route_keys}
+    return {r: mixing_weights(probs, float(r)) for r in route_keys}
 
 
 def _super_entry(by_case: dict, names: dict, samples: list[dict], route_key: str, num_sites: int) -> dict:
-    """Dice of the super model along one route, with its selection histogram (counts and fractions)."""
+    """Dice of the super model along one route, with its selection histogram (counts by largest weight) and the
+    mean weight per model (``selection``; hard: the fractions of samples)."""
     entry = case_dice(by_case, names, lambda s: s["choice"][route_key])
-    entry["selected"] = _selected(samples, route_key, num_sites)
-    entry["selection"] = [c / len(samples) for c in entry["selected"]]
+    weights = torch.stack([s["weight"][route_key] for s in samples]).double()
+    entry["selected"] = torch.bincount(weights.argmax(dim=1), minlength=num_sites + 1).tolist()
+    entry["selection"] = [float(v) for v in weights.mean(dim=0)]
     return entry
-
-
-def _selected(samples: list[dict], route_key: str, num_sites: int) -> list[int]:
-    """Numbers of samples routed to [global, personalized 0, ..., personalized K-1] (the selection histogram)."""
-    counts = [0] * (num_sites + 1)
-    for s in samples:
-        counts[s["choice"][route_key] + 1] += 1  # GLOBAL (-1) -> index 0
-    return counts
 
 
 def _as_bools(values, n: int) -> list[bool]:

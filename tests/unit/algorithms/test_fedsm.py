@@ -13,9 +13,13 @@ from pflseg.algorithms.fedsm import (
     class_statistics,
     extra_class_of_site,
     flatten_optimizer_state,
+    hard_weights,
     lda_gaussians,
     lda_head,
     min_mahalanobis,
+    mix_probabilities,
+    mixing_weights,
+    mixing_weights_extra,
     nll_at_temperatures,
     pooled_adam_step,
     route,
@@ -102,6 +106,62 @@ def test_route_extra_maps_class_zero_to_global_and_class_k_plus_one_to_site_k():
     scores = torch.tensor([[3.0, 1.0, 0.0], [0.0, 2.0, 1.0], [0.0, 1.0, 5.0]])  # logits are fine here
     assert route_extra(scores).tolist() == [GLOBAL, 0, 1]
     assert torch.equal(route_extra(torch.softmax(scores, 1)), route_extra(scores))
+
+
+# ---------------------------------------------------------------- mixing (fedsm.mixing)
+
+
+@pytest.mark.parametrize("gamma", [0.0, 0.3, 0.5, 0.9, 0.99, 1.0])
+def test_soft_weights_of_a_one_hot_posterior_are_the_hard_choice(gamma):
+    one_hot = torch.eye(3)[[0, 2, 1, 1]]
+    assert torch.equal(mixing_weights(one_hot, gamma), hard_weights(route(one_hot, gamma), 3))
+    extra = torch.eye(4)[[0, 3, 1]]  # FedSM-extra: class 0 = the global model
+    assert torch.equal(mixing_weights_extra(extra), hard_weights(route_extra(extra), 3))
+
+
+def test_soft_weights_give_the_global_model_the_shares_at_or_below_gamma():
+    # columns: global, site 0, site 1, site 2
+    expected = torch.tensor([[0.05, 0.95, 0.0, 0.0], [0.5, 0.0, 0.5, 0.0], [0.1, 0.0, 0.0, 0.9], [1.0, 0.0, 0.0, 0.0]])
+    torch.testing.assert_close(mixing_weights(PROBS, 0.45), expected)
+    torch.testing.assert_close(mixing_weights(PROBS, 0.0)[:, 1:], PROBS)  # the posterior itself
+    assert mixing_weights(PROBS, 0.0)[:, 0].tolist() == [0.0] * 4
+    assert mixing_weights(PROBS, 1.0).tolist() == [[1.0, 0.0, 0.0, 0.0]] * 4  # the global model alone
+
+
+@pytest.mark.parametrize("gamma", [0.0, 0.2, 0.5, 0.9, 1.0])
+def test_soft_weights_are_non_negative_and_sum_to_one(gamma):
+    probs = torch.softmax(torch.randn(50, 4, generator=torch.Generator().manual_seed(1)) * 3, dim=1)
+    w = mixing_weights(probs, gamma)
+    assert w.shape == (50, 5) and (w >= 0).all()
+    assert torch.allclose(w.sum(1).double(), torch.ones(50, dtype=torch.float64), atol=1e-6)
+    extra = mixing_weights_extra(probs)
+    assert torch.allclose(extra.sum(1).double(), torch.ones(50, dtype=torch.float64), atol=1e-6)
+    assert torch.allclose(extra, probs)  # FedSM-extra: the (K+1)-way posterior, class 0 = the global model
+
+
+def test_mixing_averages_probabilities_not_logits():
+    logits = torch.tensor([4.0, -1.0]).view(1, 2, 1, 1, 1)  # two models, one pixel
+    probabilities = torch.sigmoid(logits)
+    mixed = mix_probabilities(probabilities, torch.tensor([[0.5, 0.5]]))
+    assert float(mixed) == pytest.approx(0.5 * (torch.sigmoid(torch.tensor(4.0)) + torch.sigmoid(torch.tensor(-1.0))))
+    assert float(mixed) != pytest.approx(float(torch.sigmoid(torch.tensor(1.5))))  # the logits' mean: 0.82, not 0.63
+    maps = torch.rand(3, 4, 2, 5, 5, generator=torch.Generator().manual_seed(2))
+    alone = mix_probabilities(maps, hard_weights(torch.tensor([-1, 0, 2]), 3))
+    assert torch.equal(alone, maps[torch.arange(3), torch.tensor([0, 1, 3])])  # weight 1: the model's own map, exactly
+
+
+def test_mixing_rejects_bad_weights_and_gamma():
+    maps = torch.rand(2, 3, 1, 4, 4)
+    with pytest.raises(ValueError, match="weights"):
+        mix_probabilities(maps, torch.tensor([[0.5, 0.2, 0.2], [1.0, 0.0, 0.0]]))
+    with pytest.raises(ValueError, match="weights"):
+        mix_probabilities(maps, torch.ones(2, 2) / 2)
+    with pytest.raises(ValueError, match="gamma"):
+        mixing_weights(PROBS, 1.5)
+    with pytest.raises(ValueError, match="softmax"):
+        mixing_weights(torch.tensor([[2.0, -1.0]]), 0.5)
+    with pytest.raises(ValueError, match="choices"):
+        hard_weights(torch.tensor([3]), 3)
 
 
 # ---------------------------------------------------------------- optimizer moments

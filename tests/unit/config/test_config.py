@@ -110,6 +110,7 @@ METHOD_RULES = [
     ("fedsm", {"fedsm": {"lam": 2.0}}, r"fedsm\.lam and fedsm\.gamma must lie in \[0, 1\], got 2\.0"),
     ("fedsm_infer", {"fedsm": {"lam": 2.0}}, r"fedsm\.lam"),
     ("fedsm_infer", {"fedsm": {"familiar_quantile": 1.5}}, r"fedsm\.familiar_quantile must lie in \(0, 1\]"),
+    ("fedsm_infer", {"fedsm": {"mixing": "logits"}}, r"fedsm\.mixing"),
     ("fedsm", {"fedsm": {"selector": "resnet"}}, r"fedsm\.selector must be compact\|vgg11"),
     ("fedsm", {"fedsm": {"selector_lr": 0.0}}, r"fedsm\.selector_lr must be a learning rate in \(0, 10\], got 0\.0"),
     ("fedsm", {"fedsm": {"extra_rounds": 10**6}}, r"fedsm\.extra_rounds=1000000 exceeds the cap 10000 .*"

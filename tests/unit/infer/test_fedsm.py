@@ -271,6 +271,51 @@ def test_extra_route_uses_the_k_plus_one_class_rule():
     assert out["super"]["extra"]["per_case"] == {"c0": [1.0], "c1": [0.0], "c2": [0.0], "c3": [0.0]}
 
 
+@pytest.mark.parametrize("extra", [False, True])
+def test_soft_mixing_of_a_confident_selector_is_the_hard_rule(routed_dataset, extra):
+    glob, pers = three_models()
+    for i, sample in enumerate(routed_dataset):  # one-hot posteriors (softmax of +-60): 0, 1, 2 and (extra) the global
+        sample["image"] = selector_image([60.0 if c == i % (4 if extra else 3) else -60.0 for c in range(4)])
+    kw = dict(gammas=(0.0, 0.5, 0.9, 1.0), extra=extra)
+    hard = evaluate_super_model(glob, pers, ImageSelector(4 if extra else 3), routed_dataset, CPU, **kw)
+    soft = evaluate_super_model(glob, pers, ImageSelector(4 if extra else 3), routed_dataset, CPU, **kw, mixing="soft")
+    assert hard["mixing"] == "hard" and soft["mixing"] == "soft"
+    assert list(soft["super"]) == list(hard["super"])
+    for r, entry in hard["super"].items():
+        assert soft["super"][r]["per_case"] == entry["per_case"]
+        assert soft["super"][r]["selected"] == entry["selected"]
+        assert soft["super"][r]["selection"] == pytest.approx(entry["selection"])
+
+
+def test_soft_mixing_weighs_the_models_probabilities_by_the_posterior(tmp_path):
+    # posterior 0.4 / 0.3 / 0.3: site 0's model predicts pixel (1, 1), sites 1 and 2 both (2, 2), the global (0, 0)
+    glob = FixedModel(mask((0, 0)) * 20 - 10)
+    pers = [FixedModel(mask((1, 1)) * 20 - 10), FixedModel(mask((2, 2)) * 20 - 10), FixedModel(mask((2, 2)) * 20 - 10)]
+    selector = FixedSelector(torch.tensor([0.4, 0.3, 0.3]).log().tolist())
+    data = [item("a", 0, mask((2, 2))), item("b", 0, mask((0, 0)))]
+    kw = dict(gammas=(0.0, 0.35), out_dir=tmp_path, save_gamma=0.0)
+    hard = evaluate_super_model(glob, pers, selector, data, CPU, **kw)
+    soft = evaluate_super_model(glob, pers, selector, data, CPU, **kw, mixing="soft")
+    # gamma 0: hard takes site 0's model; soft sees 0.3 + 0.3 = 0.6 > 0.5 on (2, 2) and 0.4 on (1, 1)
+    assert hard["super"]["0.0"]["per_case"] == {"a": [0.0], "b": [0.0]}
+    assert soft["super"]["0.0"]["per_case"] == {"a": [1.0], "b": [0.0]}
+    assert soft["super"]["0.0"]["selection"] == pytest.approx([0.0, 0.4, 0.3, 0.3])  # mean weights
+    assert soft["super"]["0.0"]["selected"] == [0, 2, 0, 0]  # largest weight per image
+    # gamma 0.35: sites 1 and 2 (0.3 each) give their shares to the global model: 0.6 on (0, 0)
+    assert hard["super"]["0.35"]["per_case"] == {"a": [0.0], "b": [0.0]}
+    assert soft["super"]["0.35"]["per_case"] == {"a": [0.0], "b": [1.0]}
+    assert soft["super"]["0.35"]["selection"] == pytest.approx([0.6, 0.4, 0.0, 0.0])
+    assert soft["global"] == hard["global"]
+    written = np.asarray(Image.open(tmp_path / "a.png"))  # the written prediction is the soft mix at save_gamma
+    assert written[2, 2] == 1 and written.sum() == 1
+
+
+def test_unknown_mixing_is_named(routed_dataset):
+    glob, pers = three_models()
+    with pytest.raises(ValueError, match="mixing"):
+        evaluate_super_model(glob, pers, ImageSelector(3), routed_dataset, CPU, mixing="logits")
+
+
 class EmbeddingSelector(ImageSelector):
     """ImageSelector whose features (``embed``) are the image's row 3, columns 0..1."""
 
@@ -300,6 +345,20 @@ def test_unfamiliar_images_fall_back_to_the_global_model_at_every_gamma(routed_d
     assert written[0, 0] == 1 and written[2, 2] == 0  # the written prediction is the fallback's (global's pixel)
     with pytest.raises(ValueError, match="familiar_tau"):
         evaluate_super_model(glob, pers, EmbeddingSelector(3), routed_dataset, CPU, familiar_tau=1.0)
+
+
+def test_unfamiliar_images_fall_back_to_the_global_model_alone_under_soft_mixing(routed_dataset):
+    glob, pers = three_models()
+    routed_dataset[1]["image"][0, 3, 0] = 3.0  # sample 1 (confidently site 1) is far from every class
+    familiarity = {"mean": torch.zeros(1, 2, dtype=torch.float64), "precision": torch.eye(2, dtype=torch.float64)}
+    kw = dict(gammas=(0.0,), familiarity=familiarity, mixing="soft")
+    out = evaluate_super_model(glob, pers, EmbeddingSelector(3), routed_dataset, CPU, **kw, familiar_tau=1.0)
+    raw = out["super_nofallback"]["0.0"]
+    assert out["super"]["0.0"]["per_case"]["c1"] == [0.0] and raw["per_case"]["c1"] == [1.0]
+    # sample 1's weights move from the posterior (softmax of [0, 5, 0]) to [1, 0, 0, 0]
+    moved = torch.softmax(torch.tensor([0.0, 5.0, 0.0]), 0).tolist()
+    assert out["super"]["0.0"]["selection"][0] - raw["selection"][0] == pytest.approx(1 / 4)
+    assert raw["selection"][2] - out["super"]["0.0"]["selection"][2] == pytest.approx(moved[1] / 4)
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,7 @@ import torch
 from nvflare.app_common.abstract.fl_model import FLMetaKey
 
 from pflseg.algorithms.fedsm import (
+    MIXINGS,
     SELECTOR_FITS,
     SELECTOR_INPUTS,
     SELECTOR_STEPS,
@@ -111,6 +112,7 @@ class FedSMSection:
             raise ConfigError(f"{source}: fedsm.selector must be compact|vgg11 and fedsm.selector_steps epoch|batch")
         check_choice(cfg, "fedsm.selector_fit", SELECTOR_FITS, source)
         check_choice(cfg, "fedsm.selector_input", SELECTOR_INPUTS, source)
+        check_choice(cfg, "fedsm.mixing", MIXINGS, source)
         if not 0.0 < fedsm["lda_shrinkage"] <= 1.0:
             raise ConfigError(f"{source}: fedsm.lda_shrinkage must lie in (0, 1], got {fedsm['lda_shrinkage']}")
         if fedsm["selector_steps"] == "epoch" and fedsm["selector_epochs"] != 1:

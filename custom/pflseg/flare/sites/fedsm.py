@@ -281,7 +281,8 @@ class FedSMInferenceSite(Site):
         common = dict(gammas=fedsm["gammas"], own_index=own, extra=extra,
                       batch_size=self.cfg["train"]["eval_batch_size"],
                       selector_input=msg.meta.get("selector_input", "zscore"),
-                      temperature=float(msg.meta.get("selector_temperature", 1.0)), amp=self.cfg["train"]["amp"])
+                      temperature=float(msg.meta.get("selector_temperature", 1.0)), amp=self.cfg["train"]["amp"],
+                      mixing=fedsm["mixing"])
         familiarity = unprefixed("familiar", msg.params) or None
         tau = msg.meta.get("familiar_tau")
         fallback = dict(familiarity=familiarity, familiar_tau=float(tau)) if familiarity and tau is not None else {}
