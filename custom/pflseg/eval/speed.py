@@ -429,7 +429,7 @@ def aggregation_times(jobs: Sequence[str], n_sites: int = 6, repeats: int = 3, n
             ctrl.init_state(cfg, sites, RoundStore(Path(tmp) / job))
             key = json.dumps(ctrl.cfg["net"], sort_keys=True)
             if key not in updates:
-                g = ctrl.global_state
+                g = ctrl.state.global_state
                 states = [{k: (v + 1e-3 * torch.randn_like(v) if v.is_floating_point() else v.clone())
                            for k, v in g.items()} for _ in sites]
                 results = {s: FLModel(params=prefixed(GLOBAL, st), metrics={},

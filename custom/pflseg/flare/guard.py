@@ -17,10 +17,10 @@ together can; the config section ``robust`` (``app_configs/defaults.yaml``) sets
   mean | median | trimmed_mean, ``robust.trim``; ``pflseg.algorithms.robust``).
 - ``validation_score``: the best global model is chosen on the sites' validation Dice combined by the same
   rule, weighted by the (capped) n_k for ``mean``.
-- ``snapshot`` / ``keep_finite`` (around each round in ``run_rounds``): an aggregate holding NaN / Inf (or an
-  absurd magnitude) is not used: the server keeps its previous state (global model; FedSM's selector, moments
-  and personalized models too), says so in the log, the round's history (``aggregate_rejected``) and
-  results.json ``aggregates_rejected``.
+- ``keep_finite`` (around each round in ``run_rounds``, with the server state's ``snapshot``): an aggregate holding
+  NaN / Inf (or an absurd magnitude) is not used: the server keeps its previous state (the guarded parts of its
+  ``ServerState``: the global model; FedSM's selector, moments and personalized models too), says so in the log,
+  the round's history (``aggregate_rejected``) and results.json ``aggregates_rejected``.
 
 The math is in ``pflseg.algorithms.robust``; this module only moves answers and config to it.
 """
@@ -34,7 +34,8 @@ import torch
 from nvflare.app_common.abstract.fl_model import FLMetaKey
 
 from pflseg.algorithms.robust import aggregate as robust_aggregate
-from pflseg.algorithms.robust import clip_updates, combine_rows, first_nonfinite, norm_outliers, norm_ratios
+from pflseg.algorithms.robust import clip_updates, combine_rows, norm_outliers, norm_ratios
+from pflseg.flare.server_state import ServerState
 
 N_K = FLMetaKey.NUM_STEPS_CURRENT_ROUND
 #: keys not bounded tensor by tensor (the whole update still is): optimizer moments. Honest sites' Adam second
@@ -100,12 +101,12 @@ def clip(ctrl, task: str, payloads: dict, usable: dict, ratio: float) -> None:
 
 def cap_n_k(ctrl, task: str, usable: dict, ratio: float) -> None:
     """Cap each answer's n_k at ``ratio`` (``robust.n_k_ratio``) x the median of the other sites' n_k in the server's
-    table: each site's first accepted n_k (``ctrl.n_first``, checkpointed), else what it declares now. The capped
+    table: each site's first accepted n_k (``ctrl.state.n_first``, checkpointed), else what it declares now. The capped
     value is its weight everywhere and becomes its first accepted n_k (which its later n_k may not exceed)."""
     weighted = {s: res for s, res in usable.items() if isinstance(res.meta, dict) and res.meta.get(N_K) is not None}
     if not weighted or ratio <= 0:
         return
-    table = {**{s: res.meta[N_K] for s, res in weighted.items()}, **ctrl.n_first}
+    table = {**{s: res.meta[N_K] for s, res in weighted.items()}, **ctrl.state.n_first}
     if len(table) < 2:
         return
     for site, res in weighted.items():
@@ -132,33 +133,17 @@ def validation_score(scores: list[tuple[float, float]], cfg: dict) -> float:
     return float(combine_rows(block, [float(n) for _, n in scores], **args)[0])
 
 
-def guarded(ctrl) -> tuple[str, ...]:
-    """The controller's aggregated server state: its attribute names (``guarded_states``; the global model)."""
-    return tuple(getattr(ctrl, "guarded_states", ("global_state",)))
-
-
-def _copy(obj):
-    return {k: _copy(v) for k, v in obj.items()} if isinstance(obj, dict) else obj
-
-
-def snapshot(ctrl) -> dict:
-    """The guarded state before a round (dicts copied, tensors shared: aggregation makes new tensors)."""
-    return {name: _copy(getattr(ctrl, name)) for name in guarded(ctrl) if hasattr(ctrl, name)}
-
-
-def keep_finite(ctrl, r: int, before: dict) -> str | None:
-    """After round ``r``: if any guarded state holds NaN / Inf (or a value beyond ``MAX_ABS``), put every guarded
-    state back as it was before the round, with a log line. Returns that note (the round's ``aggregate_rejected``),
-    or None when the round's state is kept."""
-    for name in before:
-        reason = first_nonfinite(getattr(ctrl, name), name)
-        if reason:
-            for kept, value in before.items():
-                setattr(ctrl, kept, value)
-            note = f"the aggregate of round {r + 1} was not used: {reason}; the server kept its previous model"
-            ctrl.error(note)
-            return note
-    return None
+def keep_finite(state: ServerState, r: int, before: dict, error) -> str | None:
+    """After round ``r``: if any guarded part of the server ``state`` holds NaN / Inf (or a value beyond ``MAX_ABS``),
+    put every guarded part back as it was before the round (``before``: ``state.snapshot()``), with a log line
+    (``error``). Returns that note (the round's ``aggregate_rejected``), or None when the round's state is kept."""
+    reason = state.first_nonfinite()
+    if not reason:
+        return None
+    state.rollback(before)
+    note = f"the aggregate of round {r + 1} was not used: {reason}; the server kept its previous model"
+    error(note)
+    return note
 
 
 def result_notes(ctrl) -> dict:
@@ -166,16 +151,16 @@ def result_notes(ctrl) -> dict:
     keeps them): ``aggregates_rejected`` {round: note}, ``n_k_capped`` {site: note of its latest cap},
     ``updates_clipped`` {site: how many rounds, the latest}."""
     out = {}
-    rejected = {str(h["round"]): h["aggregate_rejected"] for h in ctrl.history if "aggregate_rejected" in h}
+    rejected = {str(h["round"]): h["aggregate_rejected"] for h in ctrl.state.history if "aggregate_rejected" in h}
     if rejected:
         out["aggregates_rejected"] = rejected
     capped = {site: f"n_k {m['n_k_claimed']} capped to {m['n_k_capped']} (round {h['round']})"
-              for h in ctrl.history for site, m in (h.get("site_metrics") or {}).items()
+              for h in ctrl.state.history for site, m in (h.get("site_metrics") or {}).items()
               if isinstance(m, dict) and "n_k_capped" in m}
     if capped:
         out["n_k_capped"] = capped
     clipped: dict[str, list] = {}
-    for h in ctrl.history:
+    for h in ctrl.state.history:
         for site, m in (h.get("site_metrics") or {}).items():
             if isinstance(m, dict) and "update_clipped" in m:
                 clipped.setdefault(site, []).append((h["round"], m["update_clipped"]))

@@ -113,7 +113,7 @@ BAD_ANSWERS = {
 def test_a_malformed_answer_leaves_the_site_out_and_the_round_completes(case, tmp_path, monkeypatch):
     mutate, reason = BAD_ANSWERS[case]
     ctrl = make("fedavg", tmp_path, monkeypatch)  # min_clients = 2 of 3
-    g0 = dict(ctrl.global_state)
+    g0 = dict(ctrl.state.global_state)
 
     def reply(site, data):
         params = prefixed("global", scaled(unprefixed("global", data.params), FACTOR[site]))
@@ -126,11 +126,11 @@ def test_a_malformed_answer_leaves_the_site_out_and_the_round_completes(case, tm
     out = ctrl.round(0)  # no exception: one site's answer cannot end the job
     assert list(ctrl.missing) == ["site-2"]
     assert re.search(reason, ctrl.missing["site-2"]), ctrl.missing["site-2"]
-    assert set(out.metrics["val_dice"]) == {"site-1", "site-3"} and ctrl.best["score"] <= 1.0
+    assert set(out.metrics["val_dice"]) == {"site-1", "site-3"} and ctrl.state.best["score"] <= 1.0
     for key, value in g0.items():  # the mean of site-1 and site-3 only, in the reference's dtype
-        assert ctrl.global_state[key].dtype == value.dtype and ctrl.global_state[key].shape == value.shape
+        assert ctrl.state.global_state[key].dtype == value.dtype and ctrl.state.global_state[key].shape == value.shape
         if value.is_floating_point():
-            assert torch.allclose(ctrl.global_state[key], value * (1.0 + 3.0) / 2, atol=1e-6), key
+            assert torch.allclose(ctrl.state.global_state[key], value * (1.0 + 3.0) / 2, atol=1e-6), key
 
 
 def test_malformed_message_bodies_are_refused(tmp_path, monkeypatch):
@@ -155,11 +155,11 @@ def test_n_k_may_not_grow_beyond_the_sites_first_accepted_value_and_survives_a_r
     Stub(ctrl, lambda site,
          data: FLModel(params=data.params, metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": n[site]}))
     ctrl.round(0)
-    assert not ctrl.missing and ctrl.n_first == {"site-1": 4, "site-2": 4, "site-3": 4}
-    ctrl.history = [{"round": 0}]
+    assert not ctrl.missing and ctrl.state.n_first == {"site-1": 4, "site-2": 4, "site-3": 4}
+    ctrl.state.history = [{"round": 0}]
     ctrl.store.save(0, ctrl.checkpoint(0))
     again = make("fedavg", tmp_path, monkeypatch, resume=True)
-    assert again.n_first == ctrl.n_first
+    assert again.state.n_first == ctrl.state.n_first
     n.update({"site-2": 5, "site-3": 2})  # growing is refused, shrinking is fine
     Stub(again, lambda site,
          data: FLModel(params=data.params, metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": n[site]}))
@@ -227,7 +227,7 @@ def test_a_finetune_answer_without_its_metrics_is_left_out(tmp_path, monkeypatch
     ctrl = make("ft", tmp_path, monkeypatch)
     Stub(ctrl, lambda site,
          data: FLModel(params={}, metrics={"ft_best_epoch": 1, "ft_val_dice": [0.2]} if site != "site-3" else {}))
-    entries = ctrl.personalize(2, prefixed("global", ctrl.global_state))
+    entries = ctrl.personalize(2, prefixed("global", ctrl.state.global_state))
     assert sorted(entries["ft"]) == ["site-1", "site-2"] and "ft_best_epoch" in ctrl.missing["site-3"]
 
 
@@ -244,7 +244,7 @@ def test_fedsm_answer_missing_selector_moments_is_left_out_not_silently_dropped(
     Stub(ctrl, reply)
     ctrl.round(0)
     assert list(ctrl.missing) == ["site-1"] and "missing key 'moment." in ctrl.missing["site-1"]
-    assert set(ctrl.moments) == {k[len("moment."):] for k in ctrl.moment_ref}
+    assert set(ctrl.state.moments) == {k[len("moment."):] for k in ctrl.moment_ref}
 
 
 def test_fedsm_lda_statistics_that_do_not_count_the_sites_images_are_left_out(tmp_path, monkeypatch):
@@ -262,7 +262,7 @@ def test_fedsm_lda_statistics_that_do_not_count_the_sites_images_are_left_out(tm
 
     Stub(ctrl, reply)
     ctrl.round(0)
-    assert sorted(ctrl.missing) == ["site-1", "site-2"] and list(ctrl.lda_stats) == ["site-3"]
+    assert sorted(ctrl.missing) == ["site-1", "site-2"] and list(ctrl.state.lda_stats) == ["site-3"]
     assert "summing to n_k = 400" in ctrl.missing["site-1"] and "Gram" in ctrl.missing["site-2"]
 
 

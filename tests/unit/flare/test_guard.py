@@ -37,32 +37,33 @@ def evil(data):
 
 def test_honest_sites_12_to_1_are_neither_capped_nor_left_out(tmp_path, monkeypatch):
     ctrl = make("fedavg", tmp_path, monkeypatch)
-    g0 = dict(ctrl.global_state)
+    g0 = dict(ctrl.state.global_state)
     Stub(ctrl, honest)
     out = ctrl.round(0)
-    assert not ctrl.missing and not any("n_k_capped" in m for m in out.site_metrics.values()) and ctrl.n_first == N
+    assert not ctrl.missing and not any("n_k_capped" in m for m in out.site_metrics.values())
+    assert ctrl.state.n_first == N
     key = key_of(g0)
     expected = g0[key] * sum(N[s] * (1 + 0.01 * STEP[s]) for s in N) / sum(N.values())
-    assert torch.allclose(ctrl.global_state[key], expected, atol=1e-6)
+    assert torch.allclose(ctrl.state.global_state[key], expected, atol=1e-6)
 
 
 def test_a_1e30_site_with_n_k_1e6_is_left_out_and_cannot_pick_the_best_round(tmp_path, monkeypatch):
     ctrl = make("fedavg", tmp_path, monkeypatch)
-    g0 = dict(ctrl.global_state)
+    g0 = dict(ctrl.state.global_state)
     Stub(ctrl, lambda site, data: evil(data) if site == "site-3" else honest(site, data))
     out = ctrl.round(0)
     assert list(ctrl.missing) == ["site-3"] and "update norm" in ctrl.missing["site-3"]
     key = key_of(g0)
     # the honest sites' mean; with site-3 out, site-2's n_k 120 is capped at 6 x site-1's (robust.n_k_ratio)
     expected = g0[key] * (10 * 1.01 + 60 * 1.02) / 70
-    assert torch.allclose(ctrl.global_state[key], expected, atol=1e-6)
-    assert all(torch.isfinite(v).all() for v in ctrl.global_state.values() if v.is_floating_point())
-    assert ctrl.best["score"] == pytest.approx(0.5) and "site-3" not in out.metrics["val_dice"]
+    assert torch.allclose(ctrl.state.global_state[key], expected, atol=1e-6)
+    assert all(torch.isfinite(v).all() for v in ctrl.state.global_state.values() if v.is_floating_point())
+    assert ctrl.state.best["score"] == pytest.approx(0.5) and "site-3" not in out.metrics["val_dice"]
 
 
 def test_a_plausible_update_with_n_k_1e6_is_capped_to_6x_the_others_median(tmp_path, monkeypatch):
     ctrl = make("fedavg", tmp_path, monkeypatch)
-    g0 = dict(ctrl.global_state)
+    g0 = dict(ctrl.state.global_state)
 
     def reply(site, data):
         res = honest(site, data, dice=1.0 if site == "site-3" else 0.2)
@@ -73,13 +74,14 @@ def test_a_plausible_update_with_n_k_1e6_is_capped_to_6x_the_others_median(tmp_p
     stub = Stub(ctrl, reply)
     out = ctrl.round(0)
     cap = 6 * (10 + 120) // 2  # robust.n_k_ratio x the median of the other sites' n_k
-    assert not ctrl.missing and ctrl.n_first["site-3"] == cap
+    assert not ctrl.missing and ctrl.state.n_first["site-3"] == cap
     assert out.site_metrics["site-3"]["n_k_claimed"] == 1_000_000 and out.site_metrics["site-3"]["n_k_capped"] == cap
     key = key_of(g0)
     expected = g0[key] * (10 * 1.01 + 120 * 1.02 + cap * 1.03) / (10 + 120 + cap)
-    assert torch.allclose(ctrl.global_state[key], expected, atol=1e-6)
-    assert ctrl.best["score"] == pytest.approx((0.2 * 10 + 0.2 * 120 + 1.0 * cap) / (130 + cap))  # bounded weight
-    ctrl.history.append({"round": 1, "site_metrics": out.site_metrics})  # as run_rounds keeps (and checkpoints) it
+    assert torch.allclose(ctrl.state.global_state[key], expected, atol=1e-6)
+    assert ctrl.state.best["score"] == pytest.approx((0.2 * 10 + 0.2 * 120 + 1.0 * cap) / (130 + cap))  # bounded weight
+    # as run_rounds keeps (and checkpoints) it
+    ctrl.state.history.append({"round": 1, "site_metrics": out.site_metrics})
     assert result_notes(ctrl)["n_k_capped"]["site-3"] == "n_k 1000000 capped to 390 (round 1)"
     stub.reply = reply
     ctrl.round(1)  # the same n_k again: above its first accepted (capped) value, so it is left out
@@ -88,7 +90,7 @@ def test_a_plausible_update_with_n_k_1e6_is_capped_to_6x_the_others_median(tmp_p
 
 def test_median_aggregation_and_selection_ignore_one_site(tmp_path, monkeypatch):
     ctrl = make("fedavg", tmp_path, monkeypatch, robust={"aggregation": "median"})
-    g0 = dict(ctrl.global_state)
+    g0 = dict(ctrl.state.global_state)
 
     def reply(site, data):  # site-3: an update 50x the others' (inside the norm bound), Dice 1.0, huge n_k
         if site != "site-3":
@@ -101,14 +103,14 @@ def test_median_aggregation_and_selection_ignore_one_site(tmp_path, monkeypatch)
     ctrl.round(0)
     assert not ctrl.missing
     key = key_of(g0)
-    assert torch.allclose(ctrl.global_state[key], g0[key] * 1.02, atol=1e-6)  # the coordinate median: site-2's
-    assert ctrl.best["score"] == pytest.approx(0.4)  # the median of 0.3, 0.4, 1.0
+    assert torch.allclose(ctrl.state.global_state[key], g0[key] * 1.02, atol=1e-6)  # the coordinate median: site-2's
+    assert ctrl.state.best["score"] == pytest.approx(0.4)  # the median of 0.3, 0.4, 1.0
 
 
 def test_trimmed_mean_drops_the_extremes_of_five_sites(tmp_path, monkeypatch):
     ctrl = make("fedavg", tmp_path, monkeypatch, robust={"aggregation": "trimmed_mean", "trim": 0.2})
     ctrl.sites = [f"site-{i}" for i in range(1, 6)]
-    g0 = dict(ctrl.global_state)
+    g0 = dict(ctrl.state.global_state)
     factor = {"site-1": 1.01, "site-2": 1.02, "site-3": 1.03, "site-4": 1.04, "site-5": 1.5}
     Stub(ctrl, lambda site,
          data: FLModel(params=prefixed("global", scaled(unprefixed("global", data.params), factor[site])),
@@ -117,12 +119,12 @@ def test_trimmed_mean_drops_the_extremes_of_five_sites(tmp_path, monkeypatch):
     key = key_of(g0)
     v = g0[key]  # per coordinate the lowest and the highest of the five are dropped (by value, sign-aware)
     stacked = torch.stack([v * f for f in factor.values()]).sort(dim=0).values[1:4]
-    assert torch.allclose(ctrl.global_state[key], stacked.mean(dim=0), atol=1e-6)
+    assert torch.allclose(ctrl.state.global_state[key], stacked.mean(dim=0), atol=1e-6)
 
 
 def test_grace_update_1000x_is_left_out_and_the_weights_are_the_others(tmp_path, monkeypatch):
     ctrl = make("grace", tmp_path, monkeypatch)
-    g0 = dict(ctrl.global_state)
+    g0 = dict(ctrl.state.global_state)
 
     def reply(site, data):
         state = unprefixed("global", data.params)
@@ -135,7 +137,7 @@ def test_grace_update_1000x_is_left_out_and_the_weights_are_the_others(tmp_path,
     assert list(ctrl.missing) == ["site-3"] and "norm" in ctrl.missing["site-3"]
     assert sorted(out.metrics["grace_weights"]) == ["site-1", "site-2"]
     key = key_of(g0)
-    assert ctrl.global_state[key].abs().max() <= g0[key].abs().max() * 1.03
+    assert ctrl.state.global_state[key].abs().max() <= g0[key].abs().max() * 1.03
 
 
 def fedsm_reply(ctrl, negative_site=None):
@@ -156,7 +158,7 @@ def test_fedsm_negative_exp_avg_sq_is_left_out_and_the_moments_stay_usable(tmp_p
     Stub(ctrl, fedsm_reply(ctrl, negative_site="site-2"))
     ctrl.round(0)
     assert list(ctrl.missing) == ["site-2"] and "negative" in ctrl.missing["site-2"]
-    assert all((v >= 0).all() for k, v in ctrl.moments.items() if k.endswith("exp_avg_sq"))
+    assert all((v >= 0).all() for k, v in ctrl.state.moments.items() if k.endswith("exp_avg_sq"))
 
 
 def test_fedsm_step_beyond_what_the_round_can_take_is_left_out(tmp_path, monkeypatch):
@@ -172,7 +174,7 @@ def test_fedsm_step_beyond_what_the_round_can_take_is_left_out(tmp_path, monkeyp
     Stub(ctrl, reply)
     ctrl.round(0)
     assert list(ctrl.missing) == ["site-1"] and "step" in ctrl.missing["site-1"]
-    assert all(float(v) == 2.0 for k, v in ctrl.moments.items() if k.endswith(".step"))
+    assert all(float(v) == 2.0 for k, v in ctrl.state.moments.items() if k.endswith(".step"))
 
 
 def test_fedsm_median_aggregates_global_selector_and_moments(tmp_path, monkeypatch):
@@ -187,7 +189,8 @@ def test_fedsm_median_aggregates_global_selector_and_moments(tmp_path, monkeypat
 
     Stub(ctrl, reply)
     ctrl.round(0)
-    assert all(torch.allclose(v, torch.full_like(v, 0.2)) for k, v in ctrl.moments.items() if k.endswith(".exp_avg"))
+    assert all(torch.allclose(v, torch.full_like(v, 0.2))
+               for k, v in ctrl.state.moments.items() if k.endswith(".exp_avg"))
 
 
 def test_lcfed_median_of_the_shared_part(tmp_path, monkeypatch):
@@ -195,7 +198,7 @@ def test_lcfed_median_of_the_shared_part(tmp_path, monkeypatch):
     from pflseg.nets.lcfed import shared_keys
 
     ctrl = make("fedrep", tmp_path, monkeypatch, robust={"aggregation": "median"})
-    g0 = dict(ctrl.global_state)
+    g0 = dict(ctrl.state.global_state)
     factor = {"site-1": 1.01, "site-2": 1.02, "site-3": 1.5}
     keys = shared_keys(build_net(ctrl.cfg["net"]))
     Stub(ctrl, lambda site, data: FLModel(
@@ -204,12 +207,12 @@ def test_lcfed_median_of_the_shared_part(tmp_path, monkeypatch):
     ctrl.round(0)
     key = next(k for k in keys if g0[k].is_floating_point() and g0[k].abs().sum() > 0)
     assert not ctrl.missing
-    assert torch.allclose(ctrl.global_state[key], g0[key] * 1.02, atol=1e-6)
+    assert torch.allclose(ctrl.state.global_state[key], g0[key] * 1.02, atol=1e-6)
 
 
 def test_a_non_finite_aggregate_keeps_the_previous_global_model(tmp_path, monkeypatch):
     ctrl = make("fedavg", tmp_path, monkeypatch)
-    g0 = dict(ctrl.global_state)
+    g0 = dict(ctrl.state.global_state)
     key = key_of(g0)
     Stub(ctrl, honest)
     errors = []
@@ -226,9 +229,9 @@ def test_a_non_finite_aggregate_keeps_the_previous_global_model(tmp_path, monkey
 
     monkeypatch.setattr(type(ctrl), "aggregate", broken)
     ctrl.run_rounds()
-    assert all(torch.equal(ctrl.global_state[k], g0[k]) for k in g0)
+    assert all(torch.equal(ctrl.state.global_state[k], g0[k]) for k in g0)
     assert all("not used" in h["aggregate_rejected"] and f"'global_state.{key}'" in h["aggregate_rejected"]
-               for h in ctrl.history)
+               for h in ctrl.state.history)
     assert any("kept its previous model" in e for e in errors)
     assert set(result_notes(ctrl)["aggregates_rejected"]) == {"1", "2"}  # rounds count from 1
     saved = ctrl.store.load(1)
@@ -266,7 +269,7 @@ def test_robust_config_is_checked(robust, match):
 
 def test_an_update_10x_the_others_is_clipped_to_robust_clip_and_named(tmp_path, monkeypatch):
     ctrl = make("fedavg", tmp_path, monkeypatch)
-    g0 = dict(ctrl.global_state)
+    g0 = dict(ctrl.state.global_state)
 
     def reply(site, data):  # site-3: 10 x its honest step, far inside the norm bound (100)
         state = unprefixed("global", data.params)
@@ -283,8 +286,8 @@ def test_an_update_10x_the_others_is_clipped_to_robust_clip_and_named(tmp_path, 
     assert "update_clipped" not in out.site_metrics["site-1"]
     key = key_of(g0)  # site-3's update now 3 x 1.5 = 4.5 steps: the same direction, that norm
     expected = g0[key] * (10 * 1.01 + 120 * 1.02 + 60 * 1.045) / 190
-    assert torch.allclose(ctrl.global_state[key], expected, atol=1e-6)
-    ctrl.history.append({"round": 1, "site_metrics": out.site_metrics})
+    assert torch.allclose(ctrl.state.global_state[key], expected, atol=1e-6)
+    ctrl.state.history.append({"round": 1, "site_metrics": out.site_metrics})
     assert result_notes(ctrl)["updates_clipped"] == {"site-3": "1 round(s), the latest 1 from 6.6667 x the others' "
                                                                  "median to 3 x"}
 
@@ -293,21 +296,21 @@ def test_an_honest_round_is_fedavg_bit_for_bit(tmp_path, monkeypatch):
     from pflseg.algorithms.fedavg import weighted_average
 
     ctrl = make("fedavg", tmp_path, monkeypatch)
-    g0 = dict(ctrl.global_state)
+    g0 = dict(ctrl.state.global_state)
     Stub(ctrl, honest)
     ctrl.round(0)
     states = [scaled(g0, 1 + 0.01 * STEP[s]) for s in N]
     plain = weighted_average(states, list(N.values()))
-    assert all(torch.equal(ctrl.global_state[k], plain[k]) for k in plain)
+    assert all(torch.equal(ctrl.state.global_state[k], plain[k]) for k in plain)
 
 
 def test_n_k_is_capped_against_the_others_first_accepted_n_k(tmp_path, monkeypatch):
     ctrl = make("fedavg", tmp_path, monkeypatch)
-    ctrl.n_first = {"site-1": 10, "site-2": 120}  # the server's table from earlier rounds
+    ctrl.state.n_first = {"site-1": 10, "site-2": 120}  # the server's table from earlier rounds
     Stub(ctrl, lambda site, data: honest(site, data) if site != "site-3" else
          FLModel(params=honest(site, data).params, metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": 5000}))
     out = ctrl.round(0)
-    assert out.site_metrics["site-3"]["n_k_capped"] == 6 * 65 and ctrl.n_first["site-3"] == 390
+    assert out.site_metrics["site-3"]["n_k_capped"] == 6 * 65 and ctrl.state.n_first["site-3"] == 390
 
 
 def test_fedsm_lda_statistics_for_another_sites_class_are_refused_naming_the_site(tmp_path, monkeypatch):
@@ -344,7 +347,7 @@ def test_fedsm_lda_statistics_of_a_capped_site_count_as_its_capped_n_k(tmp_path,
 
     Stub(ctrl, reply)
     ctrl.round(0)
-    assert not ctrl.missing and ctrl.lda_stats["site-3"]["count"][2] == 24.0  # capped at 6 x 4
+    assert not ctrl.missing and ctrl.state.lda_stats["site-3"]["count"][2] == 24.0  # capped at 6 x 4
 
 
 def test_fedsm_moments_beyond_adams_bound_are_left_out(tmp_path, monkeypatch):

@@ -27,9 +27,11 @@ from pflseg.flare.allowlist import pflseg_classes
 from pflseg.flare.columns import Column
 from pflseg.flare.controllers.fedavg import FedAvgController
 from pflseg.flare.methods import METHODS, Method, method
+from pflseg.flare.server_state import NET, ServerState
 from pflseg.flare.sites.fedavg import FedAvgSite
 from pflseg.flare.wire import GLOBAL, prefixed, unprefixed
 from tests.unit.flare.controllers.conftest import Stub, make, scaled
+from tests.unit.flare.controllers.test_resume import assert_same, stopped_and_resumed
 
 
 # ---- algorithms/fedavgm.py: the math, two dicts of tensors in, no FLARE ----------------------------------------------
@@ -54,12 +56,18 @@ class FedAvgMController(FedAvgController):
         if not 0.0 <= cfg["fedavgm"]["beta"] < 1.0:
             raise ConfigError(f"{source}: fedavgm.beta must lie in [0, 1), got {cfg['fedavgm']['beta']}")
 
+    def declare(self, state: ServerState) -> None:
+        """Its server momentum is part of the server state: checkpointed (``momentum.*``), restored on resume, and
+        rolled back with the global model when an aggregate is not finite."""
+        super().declare(state)
+        state.add("momentum", {}, NET, "momentum", guarded=True)
+
     def aggregate(self, results: dict, state: dict, r: int) -> tuple[dict, dict]:
         averaged, more = super().aggregate(results, state, r)
         if r < self.cfg["fedavgm"]["warmup_rounds"]:
             return averaged, more
         beta = self.cfg["fedavgm"]["beta"]
-        new, self.momentum = server_momentum(state, averaged, getattr(self, "momentum", {}), beta)
+        new, self.state.momentum = server_momentum(state, averaged, self.state.momentum, beta)
         return new, more
 
 
@@ -114,7 +122,7 @@ def test_its_config_loads_and_its_own_rules_check_it(fedavgm):
 def test_its_controller_runs_a_round_with_momentum(fedavgm, tmp_path, monkeypatch):
     ctrl = make("fedavgm", tmp_path, monkeypatch)
     assert type(ctrl) is FedAvgMController
-    g0 = dict(ctrl.global_state)
+    g0 = dict(ctrl.state.global_state)
 
     def reply(site, data):  # every site halves what it received
         return FLModel(params=prefixed(GLOBAL, scaled(unprefixed(GLOBAL, data.params), 0.5)), metrics={"val_dice": 0.5},
@@ -123,9 +131,31 @@ def test_its_controller_runs_a_round_with_momentum(fedavgm, tmp_path, monkeypatc
     Stub(ctrl, reply)
     key = next(k for k, v in g0.items() if v.is_floating_point() and v.abs().sum() > 0)
     ctrl.round(0)  # m = -g0/2, w = g0/2
-    assert torch.allclose(ctrl.global_state[key], 0.5 * g0[key], atol=1e-6)
+    assert torch.allclose(ctrl.state.global_state[key], 0.5 * g0[key], atol=1e-6)
     ctrl.round(1)  # d = -g0/4, m = 0.9 (-g0/2) - g0/4 = -0.7 g0, w = g0/2 - 0.7 g0 = -0.2 g0 (FedAvg: g0/4)
-    assert torch.allclose(ctrl.global_state[key], -0.2 * g0[key], atol=1e-6)
+    assert torch.allclose(ctrl.state.global_state[key], -0.2 * g0[key], atol=1e-6)
+
+
+class AttributeMomentum(FedAvgMController):
+    """The resume bug this template used to teach: momentum in a controller attribute, not in the server state."""
+
+    def declare(self, state: ServerState) -> None:
+        FedAvgController.declare(self, state)
+
+    def aggregate(self, results: dict, state: dict, r: int) -> tuple[dict, dict]:
+        averaged, more = FedAvgController.aggregate(self, results, state, r)
+        new, self.momentum = server_momentum(state, averaged, getattr(self, "momentum", {}), 0.9)
+        return new, more
+
+
+def test_a_resumed_run_keeps_its_momentum_and_equals_the_uninterrupted_run(fedavgm, tmp_path, monkeypatch):
+    straight, resumed = stopped_and_resumed("fedavgm", tmp_path / "state", monkeypatch)
+    assert_same(straight.store.load(1), resumed.store.load(1))
+    assert unprefixed("momentum", resumed.store.load(1)) and resumed.state.momentum  # it is in the checkpoint
+    monkeypatch.setitem(METHODS, "fedavgm", FEDAVGM._replace(controller=AttributeMomentum))  # momentum not in state
+    straight, resumed = stopped_and_resumed("fedavgm", tmp_path / "attribute", monkeypatch)
+    with pytest.raises(AssertionError, match="global"):  # resumed with no momentum: another global model
+        assert_same(straight.store.load(1), resumed.store.load(1))
 
 
 def test_the_cli_lists_exports_and_refuses_it(fedavgm, tmp_path, capsys):

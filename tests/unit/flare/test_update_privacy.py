@@ -64,7 +64,7 @@ def diff_round(tmp_path, monkeypatch, filt, send="diff"):
     """One FedAvg round of 3 stubbed sites whose answer (``factor`` x the sent floats) passes ``filt`` as FLARE's
     task result filter would; returns (controller, global state before)."""
     ctrl = make("fedavg", tmp_path, monkeypatch)
-    g0 = dict(ctrl.global_state)
+    g0 = dict(ctrl.state.global_state)
 
     def reply(site, data):
         sent = data.params
@@ -85,10 +85,10 @@ def test_exclude_vars_on_differences_keeps_the_site_and_the_excluded_keys(tmp_pa
     ctrl, g0 = diff_round(tmp_path, monkeypatch, ExcludeVars(exclude_vars=r"global\.model\.0\."))
     assert ctrl.missing == {}
     excluded = [k for k in g0 if k.startswith("model.0.")]
-    assert excluded and all(torch.equal(ctrl.global_state[k], g0[k]) for k in excluded)
+    assert excluded and all(torch.equal(ctrl.state.global_state[k], g0[k]) for k in excluded)
     moved = next(k for k,
                  v in g0.items() if not k.startswith("model.0.") and v.is_floating_point() and v.abs().sum() > 0)
-    assert torch.allclose(ctrl.global_state[moved], g0[moved] * 1.001)
+    assert torch.allclose(ctrl.state.global_state[moved], g0[moved] * 1.001)
 
 
 def test_exclude_vars_on_full_weights_drops_the_site(tmp_path, monkeypatch):
@@ -102,17 +102,18 @@ def test_percentile_privacy_on_differences_bounds_the_step_and_keeps_int_buffers
                           PercentilePrivacy(percentile=10, gamma=gamma, data_kinds=["WEIGHT_DIFF"]))
     assert ctrl.missing == {}
     for k, v in g0.items():
-        assert ctrl.global_state[k].dtype == v.dtype
+        assert ctrl.state.global_state[k].dtype == v.dtype
         if v.is_floating_point():  # per site |diff| <= gamma x n_k (the filter's bound), so the mean's too
-            assert float((ctrl.global_state[k] - v).abs().max()) <= gamma * n_k * 1.01  # float32 rounding of w + d - w
-    assert any(not torch.equal(ctrl.global_state[k], v) for k, v in g0.items())
+            # float32 rounding of w + d - w
+            assert float((ctrl.state.global_state[k] - v).abs().max()) <= gamma * n_k * 1.01
+    assert any(not torch.equal(ctrl.state.global_state[k], v) for k, v in g0.items())
 
 
 def test_percentile_privacy_on_full_weights_breaks_int_buffers(tmp_path, monkeypatch):
     """What FLARE's default (data_kinds WEIGHTS and WEIGHT_DIFF) does to a full-weights answer: int buffers turn
     float, so the answer is refused (and the weights themselves would be clipped to +-gamma)."""
     ctrl = make("fedavg", tmp_path, monkeypatch)
-    sent = prefixed("global", ctrl.global_state)
+    sent = prefixed("global", ctrl.state.global_state)
     out = through(PercentilePrivacy(percentile=10, gamma=0.01),
                   FLModel(params=dict(sent), params_type=ParamsType.FULL, metrics={"val_dice": 0.5},
                           meta={"NUM_STEPS_CURRENT_ROUND": 1}))

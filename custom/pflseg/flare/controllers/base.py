@@ -4,7 +4,9 @@ A method's controller implements ``round(r)``; this base gives it: ``setup()`` (
 ``init_state``: the whole server state set in one place, fresh or restored), the validated job config, one send per
 site with its own payload (``send_each``), checks of every answer on arrival, min_clients, round checkpoints with
 resume, best-global tracking on validation Dice, the final validate + test phase and ``results.json``. Everything the
-server keeps between rounds is in the checkpoint, so a stopped job resumes from its last completed round.
+server keeps between rounds is in its ``ServerState`` (``self.state``, ``pflseg.flare.server_state``: each part
+declared once, in ``declare``), which writes the round checkpoints and reads them back, so a stopped job resumes from
+its last completed round.
 
 A round's steps work as Flower's strategies do: each takes the round's answers and the current state and returns
 the new state and its entries of the round's history (``aggregate``, SoftPull, GRACE's re-weighting, LC-Fed's shared
@@ -52,6 +54,7 @@ from nvflare.fuel.utils import fobs
 from pflseg.config import check_effective, check_ranges
 from pflseg.flare import guard, metrics_files
 from pflseg.flare.policy import check_bundle_origin, record_origin
+from pflseg.flare.server_state import NET, ServerState
 from pflseg.flare.state import RoundStore, StateError, claim, inside, release, save_file, state_dir, write_text
 from pflseg.flare.wire import BEST, GLOBAL, prefixed, unprefixed
 from pflseg.nets import build_net, fit_to_sites
@@ -273,11 +276,13 @@ class RoundController(ModelController):
     def init_state(self, cfg: dict, sites: list[str], store: RoundStore) -> int:
         """The server's whole state, set in one place (``setup`` calls it once the sites are connected; tests call it
         with a loaded config, site names and a folder): the job config, the sites (sorted), the state folder, the
-        network sized to the sites, no site left out yet, and the models, fresh or, when resuming, those of the last
-        completed round (``restore``, which a method extends with its own state). Returns the first round to run."""
+        network sized to the sites, no site left out yet, and the server state (``declare``: its parts, fresh), or, when
+        resuming, that of the last completed round (``restore``). Returns the first round to run."""
         self.cfg, self.sites, self.store = cfg, sorted(sites), store
         self.missing: dict[str, str] = {}
         self.size_net()
+        self.state = ServerState(self.sites)
+        self.declare(self.state)
         return self.restore()
 
     def flare_job_id(self) -> str | None:
@@ -311,7 +316,7 @@ class RoundController(ModelController):
         for r in range(start, self.n_rounds()):
             t0 = time.time()
             self.info(f"round {r + 1}/{self.n_rounds()}: sites {self.sites}")
-            before = guard.snapshot(self)
+            before = self.state.snapshot()
             try:
                 out = self.round(r)
             except RoundError as exc:
@@ -319,17 +324,17 @@ class RoundController(ModelController):
                 return
             if self.abort_signal.triggered:
                 return
-            rejected = guard.keep_finite(self, r, before)  # a non-finite aggregate is not used: the previous one stays
+            rejected = guard.keep_finite(self.state, r, before, self.error)  # a non-finite aggregate is not used
             if rejected:
                 out.metrics = {**out.metrics, "aggregate_rejected": rejected}
             wall, compute = time.time() - t0, out.compute
             # rounds count from 1 in results.json (as in the log); a model is named by the rounds it has seen
             # (best_global_round, selected_round: 0 = the initial model, k = the model after round k)
-            self.history.append({"round": r + 1, "wall_seconds": wall, "site_compute_seconds": compute,
+            self.state.history.append({"round": r + 1, "wall_seconds": wall, "site_compute_seconds": compute,
                                  "site_metrics": out.site_metrics, **out.metrics})
             self.store.save(r, self.checkpoint(r))
             rounds_file = self.store.root / metrics_files.FOLDER / metrics_files.ROUNDS  # FLARE's format, each round
-            write_text(rounds_file, metrics_files.round_lines(self.history))
+            write_text(rounds_file, metrics_files.round_lines(self.state.history))
             self.info(f"round {r + 1} done in {wall:.2f} s (site compute max {max(compute.values(), default=0):.2f} s)")
         self.finish()
 
@@ -351,31 +356,35 @@ class RoundController(ModelController):
         seed_everything(self.cfg["seed"])
         return {k: v.detach().clone() for k, v in build_net(self.cfg["net"]).state_dict().items()}
 
+    def declare(self, state: ServerState) -> None:
+        """The parts of the server state (``pflseg.flare.server_state``) with their fresh values: the round history,
+        the best global model's record, each site's first accepted n_k (its later n_k may not exceed it), the global
+        model (guarded) and the best one. A method declares its own after ``super().declare(state)``."""
+        state.add("history", [])
+        state.add("best", {"round": -1, "score": -1.0})
+        state.add("n_first", {})
+        state.add("global_state", self.initial_state(), NET, GLOBAL, guarded=True)
+        state.add("best_state", {}, NET, BEST)
+
     def restore(self) -> int:
-        """Load the last completed round when resuming; else start fresh. Returns the first round to run."""
-        self.global_state = self.initial_state()
-        self.history, self.best, self.best_state = [], {"round": -1, "score": -1.0}, {}
-        self.n_first: dict[str, int] = {}  # each site's first accepted n_k: its later n_k may not exceed it
+        """Load the last completed round into the server state when resuming; else start fresh. Returns the first
+        round to run."""
         latest = self.store.latest()
         if not self.cfg["resume"] or latest is None:
             self.store.clear()
             return 0
         ckpt = self.store.load(latest)
-        mismatch = state_mismatch(unprefixed(GLOBAL, ckpt), self.global_state)
+        mismatch = state_mismatch(unprefixed(GLOBAL, ckpt), self.state.global_state)
         if mismatch:
             raise ValueError(f"resume: the config no longer matches the checkpoint {self.store.path(latest)} ("
                              f"{mismatch}): the network (net.*) differs from the run that wrote it. Run with that "
                              "run's config, or start afresh (resume: false; pflseg run without --resume)")
-        self.global_state.update(unprefixed(GLOBAL, ckpt))
-        self.best_state = unprefixed(BEST, ckpt)
-        self.history, self.best = list(ckpt["history"]), dict(ckpt["best"])
-        self.n_first = dict(ckpt.get("n_first", {}))
+        self.state.restore(ckpt)
         self.info(f"resuming after round {latest + 1} from {self.store.path(latest)}")
         return latest + 1
 
     def checkpoint(self, r: int) -> dict:
-        return {"round": r, "history": self.history, "best": self.best, "n_first": self.n_first,
-                **prefixed(GLOBAL, self.global_state), **prefixed(BEST, self.best_state)}
+        return {"round": r, **self.state.checkpoint()}
 
     def track_best(self, r: int, results: dict[str, FLModel], state: dict) -> dict:
         """Keep the global model ``state`` when its n_k-weighted validation Dice (scored at the sites; every answer's
@@ -384,8 +393,8 @@ class RoundController(ModelController):
         scores = [(res.metrics["val_dice"], res.meta.get(FLMetaKey.NUM_STEPS_CURRENT_ROUND, 1) or 1)
                   for res in results.values()]
         score = guard.validation_score(scores, self.cfg)  # n_k capped in send_each (guard.screen)
-        if score > self.best["score"]:
-            self.best, self.best_state = {"round": r, "score": score}, dict(state)
+        if score > self.state.best["score"]:
+            self.state.best, self.state.best_state = {"round": r, "score": score}, dict(state)
         return {"val_dice": {s: res.metrics["val_dice"] for s, res in results.items()}, "val_dice_mean": score}
 
     def log_scalars(self, tag: str, values: dict[str, float], step: int) -> None:
@@ -448,7 +457,7 @@ class RoundController(ModelController):
         for site, res in usable.items():
             n_k = res.meta.get(FLMetaKey.NUM_STEPS_CURRENT_ROUND)
             if n_k is not None:
-                self.n_first.setdefault(site, int(n_k))
+                self.state.n_first.setdefault(site, int(n_k))
         if len(usable) < need:
             raise RoundError(
                 f"task '{task}': only {len(usable)} of {len(payloads)} site(s) answered usably, min_clients={need}. "
@@ -506,7 +515,7 @@ class RoundController(ModelController):
             return f"{key}={n_k!r} is not a positive integer"
         if n_k > self.cfg["max_n_samples"]:
             return f"{key}={n_k} exceeds max_n_samples={self.cfg['max_n_samples']}"
-        first = self.n_first.get(site)
+        first = self.state.n_first.get(site)
         if first is not None and n_k > first:
             return f"{key}={n_k} exceeds its first accepted value {first} (a site's n_k may not grow during a job)"
         return None
@@ -514,7 +523,7 @@ class RoundController(ModelController):
     # ---- end of training ------------------------------------------------------------------------
     def final_params(self, site: str) -> dict:
         """What the final validate task carries to ``site`` (the global model; empty for methods without one)."""
-        return prefixed(GLOBAL, self.global_state)
+        return prefixed(GLOBAL, self.state.global_state)
 
     def extra_results(self) -> dict:
         """Method-specific entries of results.json."""
@@ -535,15 +544,16 @@ class RoundController(ModelController):
         try:
             val = self.send_each("validate", {s: self.message(last, self.final_params(s)) for s in self.sites})
             if self.final_params(self.sites[0]):
-                self.track_best(last, val, self.global_state)
-            best = prefixed(GLOBAL, self.best_state) if self.best_state else {}
+                self.track_best(last, val, self.state.global_state)
+            best = prefixed(GLOBAL, self.state.best_state) if self.state.best_state else {}
             personalized = self.personalize(last, best)
             save_file(self.store.final_path, self.checkpoint(last))  # the models the final test scores, for bundles
             tested = self.send_each("test", {s: self.message(last, best) for s in self.sites})
             results = {
                 "job": self.cfg["name"], "method": self.cfg["method"], "rounds": self.cfg["rounds"],
                 "sites": self.sites,
-                "best_global_round": self.best["round"], "missing": self.missing, "history": self.history,
+                "best_global_round": self.state.best["round"], "missing": self.missing,
+                "history": self.state.history,
                 "test": {s: res.metrics["test"] for s, res in tested.items()}, "config": self.cfg,
                 **self.extra_results(), **personalized,
                 **guard.result_notes(self),
@@ -588,7 +598,9 @@ class PostTrainingController(RoundController):
     def init_state(self, cfg: dict, sites: list[str], store: RoundStore) -> int:
         """A post-training job's state: the job config, the sites (sorted), the state folder; no rounds to restore."""
         self.cfg, self.sites, self.store = cfg, sorted(sites), store
-        self.missing, self.history, self.n_first = {}, [], {}
+        self.missing, self.state = {}, ServerState(self.sites)
+        self.state.add("history", [])
+        self.state.add("n_first", {})
         return 0
 
     def run_rounds(self) -> None:

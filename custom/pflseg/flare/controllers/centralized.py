@@ -13,8 +13,8 @@ from pflseg.flare.wire import GLOBAL, prefixed, unprefixed
 class CentralizedController(RoundController):
     def round(self, r: int) -> RoundOutput:
         pool = self.sites[0]
-        sent = prefixed(GLOBAL, self.global_state)
+        sent = prefixed(GLOBAL, self.state.global_state)
         results = self.send_each("train", {pool: self.message(r, sent)}, reference=sent)
-        metrics = self.track_best(r, results, self.global_state)
-        self.global_state = {**self.global_state, **unprefixed(GLOBAL, results[pool].params)}
+        metrics = self.track_best(r, results, self.state.global_state)
+        self.state.global_state = {**self.state.global_state, **unprefixed(GLOBAL, results[pool].params)}
         return RoundOutput.of(results, metrics)

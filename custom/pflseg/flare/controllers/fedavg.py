@@ -17,14 +17,14 @@ from pflseg.flare.wire import GLOBAL, prefixed, unprefixed
 class FedAvgController(RoundController):
     def shared_keys(self) -> list[str]:
         """Keys that travel and are averaged (all of them for FedAvg)."""
-        return list(self.global_state)
+        return list(self.state.global_state)
 
     def round(self, r: int) -> RoundOutput:
         keys = self.shared_keys()
-        sent = prefixed(GLOBAL, {k: self.global_state[k] for k in keys})
+        sent = prefixed(GLOBAL, {k: self.state.global_state[k] for k in keys})
         results = self.send_each("train", {s: self.message(r, sent) for s in self.sites}, reference=sent)
-        metrics = self.track_best(r, results, self.global_state)
-        self.global_state, more = self.aggregate(results, self.global_state, r)
+        metrics = self.track_best(r, results, self.state.global_state)
+        self.state.global_state, more = self.aggregate(results, self.state.global_state, r)
         return RoundOutput.of(results, {**metrics, **more})
 
     def aggregate(self, results: dict, state: dict, r: int) -> tuple[dict, dict]:

@@ -50,6 +50,7 @@ from pflseg.config import ConfigError, check_choice, check_lr
 from pflseg.flare import guard
 from pflseg.flare.columns import Score, score
 from pflseg.flare.controllers.base import PostTrainingController, RoundController, RoundOutput, is_number
+from pflseg.flare.server_state import BY_SITE, NET, ServerState
 from pflseg.flare.state import RoundStore
 from pflseg.flare.wire import (
     BEST,
@@ -141,48 +142,35 @@ class FedSMSection:
 class FedSMController(FedSMSection, RoundController):
     task_metrics = {**RoundController.task_metrics, "train_selector": {"selector_loss": "number"}}
     weighted_tasks = (*RoundController.weighted_tasks, "train_selector")
-    #: the server state a non-finite aggregate must not replace (``pflseg.flare.guard.keep_finite``)
-    guarded_states = ("global_state", "selector", "moments", "person")
+    def declare(self, state: ServerState) -> None:
+        """FedSM's parts of the server state: the selector, its Adam moments and each site's personalized model
+        (guarded with the global model), each site's best personalized model and its record, each site's latest LDA
+        statistics (lda), the best selector and its record."""
+        super().declare(state)
+        check_lam(self.cfg["fedsm"]["lam"], len(self.sites))
+        torch.manual_seed(self.cfg["seed"])
+        state.add("selector", self.use_selector(len(self.sites)), NET, SELECT, guarded=True)
+        state.add("moments", {}, NET, MOMENT, guarded=True)
+        state.add("person", {s: dict(state.global_state) for s in self.sites}, BY_SITE, PERSON, guarded=True)
+        state.add("best_person_state", {s: dict(state.global_state) for s in self.sites}, BY_SITE, BEST_PERSON)
+        state.add("best_person", {s: {"round": -1, "score": -1.0} for s in self.sites})
+        state.add("lda_stats", {}, BY_SITE, LDA_STATS)
+        state.add("best_selector_state", {}, NET, BEST_SELECT)
+        state.add("best_selector", {"round": -1, "score": -1.0})
 
     def restore(self) -> int:
         start = super().restore()
-        check_lam(self.cfg["fedsm"]["lam"], len(self.sites))
-        torch.manual_seed(self.cfg["seed"])
-        self.use_selector(build_selector(selector_cfg(self.cfg, len(self.sites))))
-        self.person = {s: dict(self.global_state) for s in self.sites}
-        self.moments: dict = {}
-        self.lda_stats: dict = {}  # lda: each site's latest feature statistics
-        self.best_selector = {"round": -1, "score": -1.0}
-        self.best_selector_state: dict = {}
-        if start > self.cfg["rounds"]:  # resuming inside the extra phase: the selector has K + 1 classes
-            self.use_selector(build_selector(selector_cfg(self.cfg, len(self.sites) + 1)))
-        if start > 0:
-            ckpt = self.store.load(start - 1)
-            self.selector = unprefixed(SELECT, ckpt)
-            self.moments = unprefixed(MOMENT, ckpt)
-            self.person = split_by_site(PERSON, ckpt, self.sites)
-            self.lda_stats = {s: stats for s, stats in split_by_site(LDA_STATS, ckpt, self.sites).items() if stats}
-            self.best_selector = dict(ckpt.get("best_selector", self.best_selector))
-            self.best_selector_state = unprefixed(BEST_SELECT, ckpt)
-        self.best_person = {s: {"round": -1, "score": -1.0} for s in self.sites}
-        self.best_person_state = {s: dict(self.person[s]) for s in self.sites}
-        if start > 0:
-            self.best_person = dict(ckpt["best_person"])
-            self.best_person_state = split_by_site(BEST_PERSON, ckpt, self.sites)
+        if start > self.cfg["rounds"]:  # resumed inside the extra phase: the saved selector has K + 1 classes
+            self.use_selector(len(self.sites) + 1)
         return start
 
-    def use_selector(self, selector) -> None:
-        """A fresh selector (its seeded initial weights) and what the sites' answers about it must look like."""
-        self.selector = {k: v.detach().clone() for k, v in selector.state_dict().items()}
+    def use_selector(self, classes: int) -> dict:
+        """A fresh selector of ``classes`` outputs: what the sites' answers about it must look like (``moment_ref``,
+        ``selector_ref``); returns its initial weights (seeded by the caller)."""
+        selector = build_selector(selector_cfg(self.cfg, classes))
         self.moment_ref = moment_reference(selector)
         self.selector_ref = selector_reference(selector, self.cfg["fedsm"])
-
-    def checkpoint(self, r: int) -> dict:
-        return {**super().checkpoint(r), **prefixed(SELECT, self.selector), **prefixed(MOMENT, self.moments),
-                **by_site(PERSON, self.person), **by_site(BEST_PERSON, self.best_person_state),
-                "best_person": self.best_person,
-                **by_site(LDA_STATS, self.lda_stats), **prefixed(BEST_SELECT, self.best_selector_state),
-                "best_selector": self.best_selector}
+        return {k: v.detach().clone() for k, v in selector.state_dict().items()}
 
     def track_best(self, r: int, results: dict, state: dict, selector: dict | None = None) -> dict:
         """Best global as in every method; for each site the personalized model it sent with the best validation
@@ -192,9 +180,9 @@ class FedSMController(FedSMSection, RoundController):
         metrics = super().track_best(r, results, state)
         for site, res in results.items():
             score = res.metrics.get("val_dice_person")
-            if score is not None and score > self.best_person[site]["score"]:
-                self.best_person[site] = {"round": r, "score": score}
-                self.best_person_state[site] = dict(self.person[site])
+            if score is not None and score > self.state.best_person[site]["score"]:
+                self.state.best_person[site] = {"round": r, "score": score}
+                self.state.best_person_state[site] = dict(self.state.person[site])
         return {**metrics, **self.track_selector(r, results, self.final_selector() if selector is None else selector)}
 
     def track_selector(self, r: int, results: dict, sent: dict) -> dict:
@@ -206,18 +194,19 @@ class FedSMController(FedSMSection, RoundController):
         acc = {s: float(a) for s, a in acc.items() if is_number(a) and 0.0 <= a <= 1.0}
         if not acc:
             return {}
-        weight = {s: self.n_first.get(s, 1) for s in acc}  # first accepted n_k, capped by guard.screen
+        weight = {s: self.state.n_first.get(s, 1) for s in acc}  # first accepted n_k, capped by guard.screen
         score = guard.validation_score([(acc[s], weight[s]) for s in acc], self.cfg)
-        if score <= self.best_selector["score"]:
+        if score <= self.state.best_selector["score"]:
             return {"selector_val_acc_mean": score}
         nll = [res.metrics.get("selector_val_nll") for res in results.values()]
         nll = [v for v in nll if isinstance(v, list) and len(v) == len(TEMPERATURES)
                and all(is_number(x) and math.isfinite(x) for x in v)]
         temperature = best_temperature([sum(col) for col in zip(*nll)]) if nll else 1.0
         fedsm = self.cfg["fedsm"]
-        self.best_selector = {"round": r, "score": score, "temperature": temperature, "input": fedsm["selector_input"],
-                              "head": "linear" if fedsm["selector_fit"] == "lda" else "mlp"}
-        self.best_selector_state = dict(sent)
+        self.state.best_selector = {"round": r, "score": score, "temperature": temperature,
+                                    "input": fedsm["selector_input"],
+                                    "head": "linear" if fedsm["selector_fit"] == "lda" else "mlp"}
+        self.state.best_selector_state = dict(sent)
         return {"selector_val_acc_mean": score}
 
     def n_rounds(self) -> int:
@@ -235,7 +224,8 @@ class FedSMController(FedSMSection, RoundController):
         fedsm = self.cfg["fedsm"]
         if fedsm["selector_fit"] == "softmax" and fedsm["selector_steps"] == "batch":
             n_k = res.meta[FLMetaKey.NUM_STEPS_CURRENT_ROUND]
-            reason = check_moments(unprefixed(MOMENT, res.params), self.moments, n_k * fedsm["selector_epochs"])
+            sent = self.state.moments
+            reason = check_moments(unprefixed(MOMENT, res.params), sent, n_k * fedsm["selector_epochs"])
             return f"selector moments: {reason}" if reason else None
         if fedsm["selector_fit"] != "lda":
             return None
@@ -246,7 +236,7 @@ class FedSMController(FedSMSection, RoundController):
     def selector_payload(self) -> dict:
         """The selector as the sites receive it (with the averaged moments in batch mode)."""
         batch = self.cfg["fedsm"]["selector_fit"] == "softmax" and self.cfg["fedsm"]["selector_steps"] == "batch"
-        return {**prefixed(SELECT, self.selector), **(prefixed(MOMENT, self.moments) if batch else {})}
+        return {**prefixed(SELECT, self.state.selector), **(prefixed(MOMENT, self.state.moments) if batch else {})}
 
     def aggregate(self, results: dict, state: dict, r: int) -> tuple[dict, dict]:
         """The new global model: w_g <- sum_k p_k w_g,k over every key (or ``robust.aggregation``'s rule), so no key
@@ -290,18 +280,18 @@ class FedSMController(FedSMSection, RoundController):
     def round(self, r: int) -> RoundOutput:
         if r >= self.cfg["rounds"]:
             return self.extra_round(r)
-        sent_selector = dict(self.selector)
-        common = {**prefixed(GLOBAL, self.global_state), **self.selector_payload()}
-        payloads = {s: self.message(r, {**common, **prefixed(PERSON, self.person[s])}, selector_label=k)
+        sent_selector = dict(self.state.selector)
+        common = {**prefixed(GLOBAL, self.state.global_state), **self.selector_payload()}
+        payloads = {s: self.message(r, {**common, **prefixed(PERSON, self.state.person[s])}, selector_label=k)
                     for k, s in enumerate(self.sites)}
-        reference = {**prefixed(GLOBAL, self.global_state), **prefixed(PERSON, self.global_state),
+        reference = {**prefixed(GLOBAL, self.state.global_state), **prefixed(PERSON, self.state.global_state),
                      **self.selector_ref}
         results = self.send_each("train", payloads, reference=reference)
-        metrics = self.track_best(r, results, self.global_state, sent_selector)
-        self.global_state, more = self.aggregate(results, self.global_state, r)
-        self.selector, self.moments, self.lda_stats = self.fit_selector(results, self.selector, self.moments,
-                                                                        self.lda_stats)
-        self.person = self.softpull_step(results, self.person)
+        metrics = self.track_best(r, results, self.state.global_state, sent_selector)
+        self.state.global_state, more = self.aggregate(results, self.state.global_state, r)
+        self.state.selector, self.state.moments, self.state.lda_stats = self.fit_selector(
+            results, self.state.selector, self.state.moments, self.state.lda_stats)
+        self.state.person = self.softpull_step(results, self.state.person)
         return RoundOutput.of(results, {**metrics, **more})
 
     def extra_round(self, r: int) -> RoundOutput:
@@ -309,35 +299,35 @@ class FedSMController(FedSMSection, RoundController):
         # a fresh selector over {global, personalized 1..K}: fresh moments, statistics, best
         if r == self.cfg["rounds"]:
             torch.manual_seed(self.cfg["seed"] + 1)
-            self.use_selector(build_selector(selector_cfg(self.cfg, len(self.sites) + 1)))
-            self.moments, self.lda_stats = {}, {}
-            self.best_selector, self.best_selector_state = {"round": -1, "score": -1.0}, {}
-        sent_selector = dict(self.selector)
-        person = by_site(PERSON, {s: self.person[s] for s in self.sites})
-        payload = {**prefixed(GLOBAL, self.global_state), **person, **self.selector_payload()}
+            self.state.selector = self.use_selector(len(self.sites) + 1)
+            self.state.moments, self.state.lda_stats = {}, {}
+            self.state.best_selector, self.state.best_selector_state = {"round": -1, "score": -1.0}, {}
+        sent_selector = dict(self.state.selector)
+        person = by_site(PERSON, {s: self.state.person[s] for s in self.sites})
+        payload = {**prefixed(GLOBAL, self.state.global_state), **person, **self.selector_payload()}
         results = self.send_each("train_selector", {s: self.message(r, payload) for s in self.sites},
                                  reference=self.selector_ref)
         metrics = {"selector_loss": {s: res.metrics["selector_loss"] for s, res in results.items()},
                    **self.track_selector(r, results, sent_selector)}
-        self.selector, self.moments, self.lda_stats = self.fit_selector(results, self.selector, self.moments,
-                                                                        self.lda_stats)
+        self.state.selector, self.state.moments, self.state.lda_stats = self.fit_selector(
+            results, self.state.selector, self.state.moments, self.state.lda_stats)
         return RoundOutput.of(results, metrics)
 
     def final_selector(self) -> dict:
         """The selector the final validate (and test) task sends, which the sites score as a candidate for the best
         selector (``track_best``): the last one; none after FedSM-extra rounds (the (K+1)-class selector's labels need
         every site's models)."""
-        return {} if self.cfg["fedsm"]["extra_rounds"] else dict(self.selector)
+        return {} if self.cfg["fedsm"]["extra_rounds"] else dict(self.state.selector)
 
     def final_params(self, site: str) -> dict:
         """The final validate (and test) task: global and own personalized model and the ``final_selector``."""
-        return {**prefixed(GLOBAL, self.global_state), **prefixed(PERSON, self.person[site]),
+        return {**prefixed(GLOBAL, self.state.global_state), **prefixed(PERSON, self.state.person[site]),
                 **prefixed(SELECT, self.final_selector())}
 
     def extra_results(self) -> dict:
         """The selector that inference uses: its round (``rounds`` = the final selector after the last round),
         n_k-weighted validation accuracy, temperature, input rule and head."""
-        return {"best_selector_round": self.best_selector["round"], "best_selector": self.best_selector}
+        return {"best_selector_round": self.state.best_selector["round"], "best_selector": self.state.best_selector}
 
 
 class FedSMInferenceController(FedSMSection, PostTrainingController):

@@ -18,7 +18,7 @@ class FTController(FedAvgController):
     def personalize(self, last: int, best: dict) -> dict:
         """Every site fine-tunes ``best`` (the final global model without one). Returns results.json's ``ft``:
         {site: {"best_epoch", "val_dice": per epoch}}."""
-        model = best or prefixed(GLOBAL, self.global_state)
+        model = best or prefixed(GLOBAL, self.state.global_state)
         done = self.send_each("finetune", {s: self.message(last, model) for s in self.sites})
         ft = {s: {"best_epoch": res.metrics["ft_best_epoch"], "val_dice": res.metrics["ft_val_dice"]}
               for s, res in done.items()}

@@ -84,10 +84,10 @@ class IOPFLController(IOPFLSection, FedAvgController):
         if not self.cfg["iopfl"]["publish"] or self.abort_signal.triggered:
             return {}
         subs = self.send_each("submit_model", {s: self.message(self.n_rounds()) for s in self.sites},
-                              reference=prefixed(SITE, self.global_state))
+                              reference=prefixed(SITE, self.state.global_state))
         bundle = {"sites": sorted(subs), "person_round": {s: int(res.meta["round"]) for s, res in subs.items()},
                   "fg_fraction": {s: [float(x) for x in res.meta["fg_fraction"]] for s, res in subs.items()},
-                  **prefixed(GLOBAL, self.best_state or self.global_state),
+                  **prefixed(GLOBAL, self.state.best_state or self.state.global_state),
                   **by_site(PERSON, {site: unprefixed(SITE, res.params) for site, res in subs.items()})}
         path = self.store.root / BUNDLE
         save_file(path, bundle)

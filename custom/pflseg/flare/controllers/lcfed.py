@@ -18,7 +18,8 @@ from pflseg.config import ConfigError, check_choice
 from pflseg.flare.controllers.base import RoundOutput
 from pflseg.flare.controllers.fedavg import FedAvgController
 from pflseg.flare.guard import robust_args
-from pflseg.flare.wire import GLOBAL, HEAD, HEADS, by_site, prefixed, split_by_site, unprefixed
+from pflseg.flare.server_state import BY_SITE, ServerState
+from pflseg.flare.wire import GLOBAL, HEAD, HEADS, by_site, prefixed, unprefixed
 from pflseg.nets import build_net
 from pflseg.nets.lcfed import shared_keys
 
@@ -64,42 +65,35 @@ class LCFedController(FedAvgController):
     def shared_keys(self) -> list[str]:
         return shared_keys(build_net(self.cfg["net"]))
 
-    def restore(self) -> int:
-        start = super().restore()
+    def declare(self, state: ServerState) -> None:
+        super().declare(state)
         if self.shares_heads():
             self.info("lcfed.hc (hc_map: disagreement): every round each site's coarse head is sent to every other "
                       "site of the job")
         self.head_shape = dict(build_net(self.cfg["net"]).head.state_dict())
-        self.heads: dict[str, dict] = {}  # site -> its latest coarse head (weight, bias)
-        if start > 0:
-            saved = split_by_site(HEADS, self.store.load(start - 1), self.sites)
-            self.heads = {s: head for s, head in saved.items() if head}
-        return start
-
-    def checkpoint(self, r: int) -> dict:
-        return {**super().checkpoint(r), **by_site(HEADS, self.heads)}
+        state.add("heads", {}, BY_SITE, HEADS)  # site -> its latest coarse head (weight, bias)
 
     def others_heads(self, site: str) -> dict:
         """What ``site`` is sent of the other sites' coarse heads (``heads.<other>.*``; none without the exchange)."""
         if not self.shares_heads():
             return {}
-        return by_site(HEADS, {other: head for other, head in self.heads.items() if other != site})
+        return by_site(HEADS, {other: head for other, head in self.state.heads.items() if other != site})
 
     def track_best(self, r: int, results: dict, state: dict) -> dict:
         return super().track_best(r, results, {})  # records the sites' validation Dice; no global model to keep
 
     def round(self, r: int) -> RoundOutput:
         keys = self.shared_keys()
-        body = self.global_state if r == 0 else {k: self.global_state[k] for k in keys}
+        body = self.state.global_state if r == 0 else {k: self.state.global_state[k] for k in keys}
         payloads = {s: self.message(r, {**prefixed(GLOBAL, body), **self.others_heads(s)}) for s in self.sites}
-        reference = prefixed(GLOBAL, {k: self.global_state[k] for k in keys})
+        reference = prefixed(GLOBAL, {k: self.state.global_state[k] for k in keys})
         if self.shares_heads():
             reference.update(prefixed(HEAD, self.head_shape))
         results = self.send_each("train", payloads, reference=reference)
-        metrics = self.track_best(r, results, self.global_state)
-        self.global_state, more = self.aggregate(results, self.global_state, r)
+        metrics = self.track_best(r, results, self.state.global_state)
+        self.state.global_state, more = self.aggregate(results, self.state.global_state, r)
         if self.shares_heads():
-            self.heads, exchanged = self.exchange_heads(results, payloads, self.heads)
+            self.state.heads, exchanged = self.exchange_heads(results, payloads, self.state.heads)
             more = {**more, **exchanged}
         return RoundOutput.of(results, {**metrics, **more})
 
@@ -122,7 +116,8 @@ class LCFedController(FedAvgController):
         return new, {"head_bytes": {"up": up, "down": down}}
 
     def final_params(self, site: str) -> dict:
-        return {**prefixed(GLOBAL, {k: self.global_state[k] for k in self.shared_keys()}), **self.others_heads(site)}
+        shared = {k: self.state.global_state[k] for k in self.shared_keys()}
+        return {**prefixed(GLOBAL, shared), **self.others_heads(site)}
 
 
 class FedRepController(LCFedController):

@@ -11,7 +11,7 @@ from pflseg.flare.wire import GLOBAL, prefixed
 
 class LocalController(RoundController):
     def round(self, r: int) -> RoundOutput:
-        params = prefixed(GLOBAL, self.global_state) if r == 0 else {}
+        params = prefixed(GLOBAL, self.state.global_state) if r == 0 else {}
         results = self.send_each("train", {s: self.message(r, params) for s in self.sites}, reference={})
         return RoundOutput.of(results, {"val_dice": {s: res.metrics["val_dice"] for s, res in results.items()}})
 

@@ -22,9 +22,9 @@ def test_init_state_sets_the_whole_state_in_one_place(tmp_path, monkeypatch):
     store = RoundStore(tmp_path / "server")
     assert ctrl.init_state(cfg, ["site-2", "site-1"], store) == 0  # nothing to resume: round 0 first
     assert ctrl.cfg is cfg and ctrl.sites == ["site-1", "site-2"] and ctrl.store is store
-    assert ctrl.missing == {} and ctrl.history == [] and ctrl.n_first == {} and ctrl.best_state == {}
-    assert ctrl.best == {"round": -1, "score": -1.0}
-    assert set(ctrl.global_state) == set(build_net(cfg["net"]).state_dict())
+    assert ctrl.missing == {} and ctrl.state.history == [] and ctrl.state.n_first == {} and ctrl.state.best_state == {}
+    assert ctrl.state.best == {"round": -1, "score": -1.0}
+    assert set(ctrl.state.global_state) == set(build_net(cfg["net"]).state_dict())
 
 
 def test_a_round_returns_what_the_run_loop_keeps(tmp_path, monkeypatch):
@@ -50,7 +50,7 @@ def test_send_each_returns_the_usable_answers_with_their_site_metrics(tmp_path, 
 
 def test_nan_and_misshaped_updates_are_left_out_and_named(tmp_path, monkeypatch):
     ctrl = make("fedavg", tmp_path, monkeypatch)
-    key = next(k for k, v in ctrl.global_state.items() if v.is_floating_point())
+    key = next(k for k, v in ctrl.state.global_state.items() if v.is_floating_point())
 
     def reply(site, data):
         state = dict(unprefixed(GLOBAL, data.params))
@@ -86,8 +86,8 @@ def test_best_global_follows_weighted_validation(tmp_path, monkeypatch):
     Stub(ctrl, lambda site, data: FLModel(params=data.params, metrics={"val_dice": dice[site]},
                                           meta={"NUM_STEPS_CURRENT_ROUND": 1 if site == "site-1" else 3}))
     out = ctrl.round(0)
-    assert ctrl.best["round"] == 0 and set(ctrl.best_state) == set(ctrl.global_state)
-    assert ctrl.best["score"] == pytest.approx((0.2 * 1 + 0.8 * 3 + 0.8 * 3) / 7) == out.metrics["val_dice_mean"]
+    assert ctrl.state.best["round"] == 0 and set(ctrl.state.best_state) == set(ctrl.state.global_state)
+    assert ctrl.state.best["score"] == pytest.approx((0.2 * 1 + 0.8 * 3 + 0.8 * 3) / 7) == out.metrics["val_dice_mean"]
 
 
 def test_check_update_reasons():
@@ -100,7 +100,7 @@ def test_check_update_reasons():
 
 def test_a_site_that_gave_no_result_is_sent_the_next_round_and_counts_when_it_answers(tmp_path, monkeypatch):
     ctrl = make("fedavg", tmp_path, monkeypatch)
-    g0 = dict(ctrl.global_state)
+    g0 = dict(ctrl.state.global_state)
     factor = {"site-1": 1.0, "site-2": 1.0, "site-3": 4.0}
 
     def reply(site, data):
@@ -112,12 +112,13 @@ def test_a_site_that_gave_no_result_is_sent_the_next_round_and_counts_when_it_an
     stub = Stub(ctrl, reply)
     out = ctrl.round(0)
     assert "site-3" in ctrl.missing and set(out.metrics["val_dice"]) == {"site-1", "site-2"}
-    g1 = dict(ctrl.global_state)
+    g1 = dict(ctrl.state.global_state)
     out = ctrl.round(1)
     assert [s for t, s, d in stub.sent if d.current_round == 1] == ["site-1", "site-2", "site-3"]  # re-admitted
     assert set(out.metrics["val_dice"]) == {"site-1", "site-2", "site-3"}
     key = next(k for k, v in g0.items() if v.is_floating_point() and v.abs().sum() > 0)
-    assert torch.allclose(ctrl.global_state[key], g1[key] * (1 + 1 + 4) / 3, atol=1e-6)  # site-3 in round 1's mean
+    # site-3 in round 1's mean
+    assert torch.allclose(ctrl.state.global_state[key], g1[key] * (1 + 1 + 4) / 3, atol=1e-6)
 
 
 def test_a_site_that_fails_again_is_left_out_of_that_round_again(tmp_path, monkeypatch):

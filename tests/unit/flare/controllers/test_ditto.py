@@ -26,7 +26,7 @@ from tests.unit.flare.controllers.conftest import Stub, make, scaled
 def test_ditto_round_is_fedavgs_nk_weighted_mean_of_the_global_model(tmp_path, monkeypatch):
     ctrl = make("ditto", tmp_path, monkeypatch)
     assert type(ctrl) is DittoController
-    g0 = dict(ctrl.global_state)
+    g0 = dict(ctrl.state.global_state)
     # updates (factor - 1) g0 of similar sizes: inside robust.clip's default bound, so the plain weighted mean
     n, factor = {"site-1": 1, "site-2": 1, "site-3": 2}, {"site-1": 0.5, "site-2": 1.5, "site-3": 2.0}
 
@@ -37,7 +37,7 @@ def test_ditto_round_is_fedavgs_nk_weighted_mean_of_the_global_model(tmp_path, m
     Stub(ctrl, reply)
     ctrl.round(0)
     key = next(k for k, v in g0.items() if v.is_floating_point() and v.abs().sum() > 0)
-    assert torch.allclose(ctrl.global_state[key], g0[key] * (0.25 * 0.5 + 0.25 * 1.5 + 0.5 * 2.0), atol=1e-6)
+    assert torch.allclose(ctrl.state.global_state[key], g0[key] * (0.25 * 0.5 + 0.25 * 1.5 + 0.5 * 2.0), atol=1e-6)
 
 
 @pytest.mark.parametrize("lam", [0, 0.01, 2])

@@ -15,8 +15,8 @@ from tests.unit.flare.controllers.conftest import Stub, make, scaled
 def test_fedbn_sends_and_averages_only_shared_keys(tmp_path, monkeypatch):
     ctrl = make("fedbn", tmp_path, monkeypatch)
     shared = set(shared_keys(build_net(ctrl.cfg["net"])))
-    assert shared != set(ctrl.global_state)
-    g0 = dict(ctrl.global_state)
+    assert shared != set(ctrl.state.global_state)
+    g0 = dict(ctrl.state.global_state)
 
     def reply(site, data):
         assert set(unprefixed(GLOBAL, data.params)) == shared
@@ -27,9 +27,9 @@ def test_fedbn_sends_and_averages_only_shared_keys(tmp_path, monkeypatch):
     ctrl.round(0)
     for k in g0:
         if k in shared and g0[k].is_floating_point():
-            assert torch.allclose(ctrl.global_state[k], 2 * g0[k])
+            assert torch.allclose(ctrl.state.global_state[k], 2 * g0[k])
         elif k not in shared:
-            assert torch.equal(ctrl.global_state[k], g0[k])
+            assert torch.equal(ctrl.state.global_state[k], g0[k])
 
 
 def test_fedbn_refuses_a_net_without_batch_norm():

@@ -22,7 +22,7 @@ from tests.unit.flare.controllers.conftest import BATCH, TINY, Stub, lda_answer,
 
 def test_fedsm_sends_each_site_only_its_own_personalized_model_and_label(tmp_path, monkeypatch):
     ctrl = make("fedsm", tmp_path, monkeypatch, fedsm=BATCH)
-    ctrl.person = {s: scaled(ctrl.global_state, i + 1.0) for i, s in enumerate(ctrl.sites)}
+    ctrl.state.person = {s: scaled(ctrl.state.global_state, i + 1.0) for i, s in enumerate(ctrl.sites)}
     n = {"site-1": 1, "site-2": 1, "site-3": 2}
 
     def reply(site, data):
@@ -30,37 +30,37 @@ def test_fedsm_sends_each_site_only_its_own_personalized_model_and_label(tmp_pat
         params.update({k: torch.full_like(v, float(n[site])) for k, v in ctrl.moment_ref.items()})
         return FLModel(params=params, metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": n[site]})
 
-    before = {s: dict(p) for s, p in ctrl.person.items()}
+    before = {s: dict(p) for s, p in ctrl.state.person.items()}
     stub = Stub(ctrl, reply)
     ctrl.round(0)
-    key = next(k for k, v in ctrl.global_state.items() if v.is_floating_point() and v.abs().sum() > 0)
+    key = next(k for k, v in ctrl.state.global_state.items() if v.is_floating_point() and v.abs().sum() > 0)
     for k, (_, site, data) in enumerate(stub.sent):
         assert data.meta["selector_label"] == k
         assert torch.equal(unprefixed("person", data.params)[key], before[site][key])  # its own, nobody else's
-    assert ctrl.moments["0.exp_avg_sq"].flatten()[0].item() == pytest.approx(0.25 * 1 + 0.25 * 1 + 0.5 * 2)
+    assert ctrl.state.moments["0.exp_avg_sq"].flatten()[0].item() == pytest.approx(0.25 * 1 + 0.25 * 1 + 0.5 * 2)
     # exp_avg: the same mean 1.5, bounded at the sites' median ratio |m| / sqrt(v) = 1 x sqrt(1.5) (bound_moments)
-    assert ctrl.moments["0.exp_avg"].flatten()[0].item() == pytest.approx(1.5 ** 0.5)
+    assert ctrl.state.moments["0.exp_avg"].flatten()[0].item() == pytest.approx(1.5 ** 0.5)
     expected = softpull([before[s] for s in ctrl.sites], ctrl.cfg["fedsm"]["lam"])
     for k, s in enumerate(ctrl.sites):
-        assert torch.allclose(ctrl.person[s][key], expected[k][key])
+        assert torch.allclose(ctrl.state.person[s][key], expected[k][key])
 
 
 def test_fedsm_site_that_drops_out_keeps_its_personalized_model(tmp_path, monkeypatch):
     ctrl = make("fedsm", tmp_path, monkeypatch, fedsm=BATCH)
-    ctrl.person["site-3"] = scaled(ctrl.global_state, 5.0)
-    kept = dict(ctrl.person["site-3"])
+    ctrl.state.person["site-3"] = scaled(ctrl.state.global_state, 5.0)
+    kept = dict(ctrl.state.person["site-3"])
     moments = {k: torch.ones_like(v) for k, v in ctrl.moment_ref.items()}
     Stub(ctrl, lambda site, data: None if site == "site-3" else
          FLModel(params={**data.params, **moments}, metrics={"val_dice": 0.5}, meta={"NUM_STEPS_CURRENT_ROUND": 1}))
     ctrl.round(0)
     assert "site-3" in ctrl.missing
-    assert all(torch.equal(ctrl.person["site-3"][k], kept[k]) for k in kept)
+    assert all(torch.equal(ctrl.state.person["site-3"][k], kept[k]) for k in kept)
 
 
 def test_softpull_step_returns_the_new_personalized_models_and_leaves_the_controllers_alone(tmp_path, monkeypatch):
     ctrl = make("fedsm", tmp_path, monkeypatch)
-    person = {s: scaled(ctrl.global_state, i + 1.0) for i, s in enumerate(ctrl.sites)}
-    held = {s: dict(p) for s, p in ctrl.person.items()}
+    person = {s: scaled(ctrl.state.global_state, i + 1.0) for i, s in enumerate(ctrl.sites)}
+    held = {s: dict(p) for s, p in ctrl.state.person.items()}
     trained = {s: FLModel(params=prefixed(PERSON, scaled(person[s], 2.0))) for s in ("site-1", "site-3")}
     new = ctrl.softpull_step(trained, person)  # site-2 gave no answer: its model enters the mix as it was
     expected = softpull([scaled(person["site-1"], 2.0), person["site-2"], scaled(person["site-3"], 2.0)],
@@ -68,12 +68,12 @@ def test_softpull_step_returns_the_new_personalized_models_and_leaves_the_contro
     key = next(k for k, v in person["site-1"].items() if v.is_floating_point() and v.abs().sum() > 0)
     assert list(new) == ctrl.sites and new["site-2"] is person["site-2"]
     assert torch.allclose(new["site-1"][key], expected[0][key]) and torch.allclose(new["site-3"][key], expected[2][key])
-    assert all(torch.equal(ctrl.person[s][k], held[s][k]) for s in held for k in held[s])
+    assert all(torch.equal(ctrl.state.person[s][k], held[s][k]) for s in held for k in held[s])
 
 
 def test_fedsm_epoch_mode_takes_one_adam_step_on_the_sum_of_the_sites_gradients(tmp_path, monkeypatch):
     ctrl = make("fedsm", tmp_path, monkeypatch, fedsm={"selector_fit": "softmax", "selector_steps": "epoch"})
-    before = dict(ctrl.selector)
+    before = dict(ctrl.state.selector)
     grad = {"site-1": 1.0, "site-2": 1.0, "site-3": -3.0}  # summed over each site's images: the pooled sum is -1
     n = {"site-1": 1, "site-2": 1, "site-3": 2}  # the aggregation weights: they must not enter a sum of gradients
     stub = Stub(ctrl, lambda site, data: FLModel(
@@ -83,31 +83,32 @@ def test_fedsm_epoch_mode_takes_one_adam_step_on_the_sum_of_the_sites_gradients(
     assert all(not any(k.startswith("moment.") for k in data.params) for _, _, data in stub.sent)  # moments stay here
     lr = ctrl.cfg["fedsm"]["selector_lr"]
     for k, v in before.items():  # first Adam step: -lr * g / (|g| + eps) = +lr for g = -1
-        assert torch.allclose(ctrl.selector[k], v + lr, atol=1e-7), k
-    assert float(ctrl.moments["0.step"]) == 1.0 and torch.allclose(ctrl.moments["0.exp_avg"], torch.tensor(-0.1))
+        assert torch.allclose(ctrl.state.selector[k], v + lr, atol=1e-7), k
+    moments = ctrl.state.moments
+    assert float(moments["0.step"]) == 1.0 and torch.allclose(moments["0.exp_avg"], torch.tensor(-0.1))
 
 
 def test_fedsm_lda_head_comes_from_the_summed_statistics_and_keeps_a_dropped_sites(tmp_path, monkeypatch):
     from pflseg.algorithms.fedsm import add_statistics, lda_head
 
     ctrl = make("fedsm", tmp_path, monkeypatch)  # the default: selector_fit lda
-    body = {k: v for k, v in ctrl.selector.items() if not k.startswith("classifier.")}
+    body = {k: v for k, v in ctrl.state.selector.items() if not k.startswith("classifier.")}
     stub = Stub(ctrl, lambda site, data: lda_answer(ctrl, site, data))
     ctrl.round(0)
     stats = [unprefixed("stats", lda_answer(ctrl, s, stub.sent[0][2]).params) for s in ctrl.sites]
     weight, bias = lda_head(add_statistics(stats), ctrl.cfg["fedsm"]["lda_shrinkage"])
-    assert (torch.allclose(ctrl.selector["classifier.weight"], weight)
-            and torch.allclose(ctrl.selector["classifier.bias"], bias))
-    assert all(torch.equal(ctrl.selector[k], v) for k, v in body.items())  # the conv stack stays as initialised
+    assert (torch.allclose(ctrl.state.selector["classifier.weight"], weight)
+            and torch.allclose(ctrl.state.selector["classifier.bias"], bias))
+    assert all(torch.equal(ctrl.state.selector[k], v) for k, v in body.items())  # the conv stack stays as initialised
     Stub(ctrl, lambda site, data: None if site == "site-3" else lda_answer(ctrl, site, data))
     ctrl.round(1)
     # its statistics stay
-    assert "site-3" in ctrl.missing and torch.allclose(ctrl.selector["classifier.weight"], weight)
+    assert "site-3" in ctrl.missing and torch.allclose(ctrl.state.selector["classifier.weight"], weight)
 
 
 def test_fedsm_extra_rounds_start_a_fresh_k_plus_one_class_selector_and_best(tmp_path, monkeypatch):
     ctrl = make("fedsm", tmp_path, monkeypatch, fedsm={"extra_rounds": 1}, rounds=1)
-    ctrl.best_selector = {"round": 0, "score": 0.9}  # the K-class selector's best: not a candidate any more
+    ctrl.state.best_selector = {"round": 0, "score": 0.9}  # the K-class selector's best: not a candidate any more
 
     def reply(site, data):
         answer = lda_answer(ctrl, site, data)
@@ -117,8 +118,9 @@ def test_fedsm_extra_rounds_start_a_fresh_k_plus_one_class_selector_and_best(tmp
 
     Stub(ctrl, reply)
     out = ctrl.round(1)
-    assert ctrl.selector["classifier.weight"].shape == (4, ctrl.selector_ref["stats.gram"].shape[0])  # global + 3 sites
-    assert ctrl.best_selector["round"] == 1 and ctrl.best_selector["score"] == 0.5
+    # global + 3 sites
+    assert ctrl.state.selector["classifier.weight"].shape == (4, ctrl.selector_ref["stats.gram"].shape[0])
+    assert ctrl.state.best_selector["round"] == 1 and ctrl.state.best_selector["score"] == 0.5
     assert out.metrics == {"selector_loss": {s: 1.0 for s in ctrl.sites}, "selector_val_acc_mean": 0.5}
 
 
@@ -157,7 +159,7 @@ def test_final_checkpoint_holds_the_tested_models(tmp_path, monkeypatch):
     stale = ctrl.store.load(ctrl.store.latest())["best"]["round"]
     assert stale < ctrl.n_rounds()  # the last round's checkpoint alone would hand out an older model
     person = unprefixed("bestperson.site-1", final)
-    assert all(torch.equal(person[k], ctrl.person["site-1"][k]) for k in person)
+    assert all(torch.equal(person[k], ctrl.state.person["site-1"][k]) for k in person)
 
 
 def test_gamma_is_chosen_on_validation_never_on_test():

@@ -17,7 +17,7 @@ def test_training_publishes_the_best_global_and_each_sites_p_k(tmp_path, monkeyp
     ctrl.get_run_dir = lambda: str(tmp_path)
     ctrl.store.root.mkdir(parents=True)
     ctrl.abort_signal = Signal()
-    g0 = dict(ctrl.global_state)
+    g0 = dict(ctrl.state.global_state)
     factor = {"site-1": 2.0, "site-2": 3.0, "site-3": 4.0}
 
     def reply(site, data):
@@ -40,7 +40,7 @@ def test_training_publishes_the_best_global_and_each_sites_p_k(tmp_path, monkeyp
     assert bundle["fg_fraction"] == {"site-1": [0.2], "site-2": [0.3], "site-3": [0.4]}  # the size prior's inputs
     key = next(k for k, v in g0.items() if v.is_floating_point() and v.abs().sum() > 0)
     assert torch.allclose(bundle[f"person.site-3.{key}"], 4.0 * g0[key])
-    assert torch.equal(unprefixed("global", bundle)[key], ctrl.best_state[key])
+    assert torch.equal(unprefixed("global", bundle)[key], ctrl.state.best_state[key])
     assert json.loads((tmp_path / "server" / "results.json").read_text())["bundle"].endswith("bundle.pt")
 
 

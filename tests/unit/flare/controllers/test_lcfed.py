@@ -32,7 +32,7 @@ def test_lcfed_averages_the_shared_part_with_pcs_and_routes_the_others_heads(tmp
     shared, personal = shared_keys(net), personal_keys(net)
     assert any(k.startswith("pcs.") for k in shared) and personal == ["head.weight", "head.bias", "calib_head.weight",
                                                                       "calib_head.bias"]
-    g0 = dict(ctrl.global_state)
+    g0 = dict(ctrl.state.global_state)
     stub = Stub(ctrl, reply_scaled)
     out = ctrl.round(0)  # round 0: the full initial model, no heads yet
     assert all(set(unprefixed(GLOBAL, d.params)) == set(g0) and not unprefixed("heads", d.params) for _, _,
@@ -40,9 +40,9 @@ def test_lcfed_averages_the_shared_part_with_pcs_and_routes_the_others_heads(tmp
     mean = (1.0 + 2.0 + 4.0) / 3  # plain average, not weighted by n_k
     for key in shared:
         if g0[key].is_floating_point():
-            assert torch.allclose(ctrl.global_state[key], g0[key] * mean, atol=1e-6), key
+            assert torch.allclose(ctrl.state.global_state[key], g0[key] * mean, atol=1e-6), key
     for key in personal:  # heads are not aggregated
-        assert torch.equal(ctrl.global_state[key], g0[key])
+        assert torch.equal(ctrl.state.global_state[key], g0[key])
     assert out.metrics["head_bytes"] == {"up": 3 * 5 * 4, "down": 0}
 
     stub.sent.clear()
@@ -62,8 +62,8 @@ def test_heads_survive_a_resume(tmp_path, monkeypatch):
     ctrl.round(0)
     ctrl.store.save(0, ctrl.checkpoint(0))
     again = make("lcfed", tmp_path, monkeypatch, **LC, resume=True)
-    assert sorted(again.heads) == sorted(FACTOR)
-    assert all(torch.equal(again.heads[s]["bias"], ctrl.heads[s]["bias"]) for s in FACTOR)
+    assert sorted(again.state.heads) == sorted(FACTOR)
+    assert all(torch.equal(again.state.heads[s]["bias"], ctrl.state.heads[s]["bias"]) for s in FACTOR)
 
 
 def test_without_hc_and_for_fedrep_no_head_leaves_a_site(tmp_path, monkeypatch):
@@ -89,7 +89,8 @@ def test_a_site_sending_a_head_without_hc_is_left_out(tmp_path, monkeypatch):
 def test_the_head_exchange_returns_the_new_heads_and_their_bytes(tmp_path, monkeypatch):
     ctrl = make("lcfed", tmp_path, monkeypatch, **LC)
     held = {"site-3": {"weight": torch.zeros(1, 4, 1, 1), "bias": torch.zeros(1)}}
-    results = {s: reply_scaled(s, ctrl.message(1, prefixed(GLOBAL, ctrl.global_state))) for s in ("site-1", "site-2")}
+    sent = prefixed(GLOBAL, ctrl.state.global_state)
+    results = {s: reply_scaled(s, ctrl.message(1, sent)) for s in ("site-1", "site-2")}
     payloads = {s: ctrl.message(1, prefixed("heads.site-3", held["site-3"])) for s in ("site-1", "site-2", "site-3")}
     heads, metrics = ctrl.exchange_heads(results, payloads, held)
     assert list(heads) == ["site-3", "site-1", "site-2"] and heads["site-3"] is held["site-3"]
