@@ -31,14 +31,14 @@ def federation(tmp_path_factory, intruder: bool = False, heart_beat_timeout: int
         builder["args"] = {**(builder.get("args") or {}), "heart_beat_timeout": heart_beat_timeout}
         project = ws / "project.yml"
         project.write_text(yaml.safe_dump(spec, sort_keys=False))
-    fed = LocalFederation(ws / "fed", project_yml=project, progress=lambda m: None)
+    fed = LocalFederation(ws / "fed", project_yml=project, progress=say)
     fed.provision({"data": str(data), "device": "cpu"})
     fed.start()
     fed.intruder = None
     if intruder:  # its own root CA, the same name as a real site: wrong certificates
         client_cfg = json.loads((fed.kit("site-1") / "startup" / "fed_client.json").read_text())
         port = client_cfg["servers"][0]["service"]["target"]
-        fed.intruder = LocalFederation(ws / "intruder", progress=lambda m: None)
+        fed.intruder = LocalFederation(ws / "intruder", progress=say)
         provision_loopback(fed.intruder.workspace, REPO_PROJECT, port=int(port.split(":")[1]))
         fed.intruder.start_participant("site-1")
     try:
@@ -48,6 +48,12 @@ def federation(tmp_path_factory, intruder: bool = False, heart_beat_timeout: int
         if fed.intruder is not None:
             fed.intruder.kill("site-1")
         fed.stop(timeout=30)
+
+
+def say(msg: str) -> None:
+    """Progress of the federation and its jobs, timed: pytest shows it with a failing test's output (``-rP``: with
+    every test's), where a slow step or a wait shows up."""
+    print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
 
 
 def job(tmp_path, name, mode="package", **over):
@@ -74,6 +80,7 @@ def on_round(n, action):
     seen = {}
 
     def progress(msg):
+        say(msg)
         if " as job " in msg:
             seen["job"] = msg.split(" as job ")[1].split()[0]
         if f"round {n} done" in msg and "done" not in seen:

@@ -13,7 +13,7 @@ import torch
 from pflseg.config import load_job_config
 from pflseg.deploy.submit import submit
 from pflseg.flare.state import load_file, unprefixed
-from tests.integration.federation import SITES, check_per_site, federation, flare_settings, job, on_round
+from tests.integration.federation import SITES, check_per_site, federation, flare_settings, job, on_round, say
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("deploy_faults"), pytest.mark.in_file_order]
 # one worker, in file order: the module's federation is shared, and each test leaves it as the next expects
@@ -35,16 +35,17 @@ def test_server_killed_mid_round_then_resumed_gives_the_uninterrupted_models(fed
     the job submitted again with resume: the same final model, tensor for tensor."""
     server = fed._server()
     state = fed.kit(server) / "pflseg_state"
-    whole = submit(job(tmp_path, "fedavg"), fed.admin_kit(), out=tmp_path / "dl1", progress=lambda m: None, poll=0.5)
+    whole = submit(job(tmp_path, "fedavg"), fed.admin_kit(), out=tmp_path / "dl1", progress=say, poll=0.5)
     check_per_site(whole, SITES)
 
     def crash(_job_id):
         fed.kill(server)
 
     progress = on_round(1, crash)
-    with pytest.raises(Exception):  # the admin connection dies with the server
+    with pytest.raises(Exception) as died:  # the admin connection dies with the server
         submit(job(tmp_path / "2", "fedavg"), fed.admin_kit(), out=tmp_path / "dl2", progress=progress, poll=0.5,
                timeout=300)
+    say(f"submit ended with the server: {died.value!r}"[:300])
     assert "done" in progress.seen, "never saw round 1 finish"
     name = whole["config"]["name"]  # the job's state folder
     aside = state / f"{name}.{whole['job_id']}"
@@ -53,7 +54,7 @@ def test_server_killed_mid_round_then_resumed_gives_the_uninterrupted_models(fed
     fed.start_participant(server)
     fed.wait_connected(timeout=180)
     resumed = submit(job(tmp_path / "3", "fedavg", resume=True), fed.admin_kit(), out=tmp_path / "dl3",
-                     progress=lambda m: None, poll=0.5)
+                     progress=say, poll=0.5)
     check_per_site(resumed, SITES)
     assert [h["round"] for h in resumed["history"]] == [1, 2] and not resumed["missing"]
     a, b = (unprefixed("global", load_file(aside / "final.pt")),

@@ -100,6 +100,9 @@ class LocalFederation:
         except psutil.Error:  # it ended already: nothing to recognise later
             self.started.pop(name, None)
         self._popen.append(proc)
+        # started again: no longer a killed site that stop() must release, else stop() removes the running site from
+        # the server before shutdown_system, which then never tells it to stop (it was killed 60 s later instead)
+        self.killed.discard(name)
         self._record()
         return proc.pid
 

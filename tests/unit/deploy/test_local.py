@@ -93,3 +93,22 @@ def test_deploy_local_makes_a_federation_whose_sites_take_two_site_jobs(tmp_path
     assert any("every site allows jobs of two sites (policy.two_sites: true)" in line for line in said)
     assert any("pflseg jobs export fedavg --out runs/jobs --set data.allow_synthetic=true --set min_clients=2" in line
                for line in said)
+
+
+def test_a_killed_participant_started_again_is_stopped_by_shutdown_not_released(tmp_path):
+    """Before: a site killed and started again stayed in ``killed``, so ``stop`` removed the running site from the
+    server before ``shutdown_system`` (which then never told it to stop): it was SIGKILLed after ``stop``'s timeout."""
+    fed = LocalFederation(tmp_path / "federation", progress=lambda m: None)
+    startup = fed.kit("site-1") / "startup"
+    startup.mkdir(parents=True)
+    (startup / "sub_start.sh").write_text("exec sleep 60\n")
+    try:
+        fed.start_participant("site-1")
+        fed.kill("site-1")
+        assert fed.killed == {"site-1"}
+        fed.start_participant("site-1")
+        assert fed.killed == set()
+    finally:
+        for proc in fed._popen:
+            proc.kill()
+            proc.wait(timeout=10)
