@@ -18,7 +18,7 @@ import argparse
 import json
 import os
 import statistics
-import time
+from datetime import datetime
 from pathlib import Path
 
 from pflseg.data import load_dataset_info, make_synthetic
@@ -64,25 +64,30 @@ def liar_env(attack: str | None) -> None:
         os.environ.pop("PYTHONPATH", None)
 
 
-def run(workspace: Path, job: str, attack: str | None, seed: int, rounds: int) -> dict:
-    """One simulator run (read back when it finished earlier): the summary of its results.json."""
+def run(workspace: Path, job: str, attack: str | None, seed: int, rounds: int, table_only: bool = False) -> dict | None:
+    """One simulator run (read back when it finished earlier): the summary of its results.json; with ``table_only``
+    a run that did not finish earlier is not run (None)."""
     root = data_root(workspace, seed)
     settings = {k: v for k, v in SETTINGS.items() if k != "privacy"}
     overrides = {**settings, "data": {"size": load_dataset_info(root)["train_size"]}}
     bench = AttackBench(workspace / (attack or "honest"), data=root, methods=[job], seeds=[seed], rounds=rounds,
                   sites=SITES, outside=False, overrides=overrides, preset=None, progress=print)
+    if table_only and not bench.finished(seed, "inside", job):
+        return None
     liar_env(attack)
-    t0 = time.time()
     try:
         res = bench.run(seed, "inside", job)
     finally:
         liar_env(None)
+    record = json.loads((bench.run_dir(seed, "inside", job) / "run.json").read_text())
+    wall = (datetime.fromisoformat(record["finished"]) - datetime.fromisoformat(record["started"])).total_seconds()
     history = res.get("history", [])
     liar = [(h.get("site_metrics") or {}).get(LIAR, {}) for h in history]
     return {"dice": {s: res["test"][s]["global"]["dice"] for s in HONEST},
+            "left_out": sum(LIAR not in (h.get("site_metrics") or {}) for h in history),
             "clipped": sum("update_clipped" in m for m in liar), "capped": sum("n_k_capped" in m for m in liar),
             "ratio": max((m.get("update_ratio", 0.0) for m in liar), default=0.0),
-            "rounds": len(history), "missing": res.get("missing", {}).get(LIAR), "wall_s": round(time.time() - t0)}
+            "rounds": len(history), "missing": res.get("missing", {}).get(LIAR), "wall_s": round(wall)}
 
 
 def summary(runs: dict, job: str, attack: str, seeds: list[int]) -> dict:
@@ -95,8 +100,9 @@ def summary(runs: dict, job: str, attack: str, seeds: list[int]) -> dict:
 def to_markdown(runs: dict, seeds: list[int], rounds: int) -> str:
     cols = ["method", "liar's attack (site-3)"]
     cols += [f"seed {s}: attacked / honest" for s in seeds]
-    cols += ["mean attacked / honest", "paired diff (mean; per seed)", "liar clipped (rounds)",
-             "liar n_k capped (rounds)", "liar's largest update ratio", "missing (site-3)"]
+    cols += ["mean attacked / honest", "paired diff (mean; per seed)", "liar left out (rounds)",
+             "liar clipped (rounds)", "liar n_k capped (rounds)", "liar's largest update ratio (accepted rounds)",
+             "missing (site-3)"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for job, attacks in ATTACKS.items():
         for attack in attacks:
@@ -108,9 +114,10 @@ def to_markdown(runs: dict, seeds: list[int], rounds: int) -> str:
             cells += [f"{a:.3f} / {h:.3f}" for a, h in zip(row["attacked"], row["honest"])]
             cells += [f"{statistics.mean(row['attacked']):.3f} / {statistics.mean(row['honest']):.3f}",
                       f"{statistics.mean(row['diff']):+.3f} ({'; '.join(f'{d:+.3f}' for d in row['diff'])})",
+                      " / ".join(f"{p['left_out']} of {p['rounds']}" for p in per),
                       " / ".join(f"{p['clipped']} of {p['rounds']}" for p in per),
                       " / ".join(f"{p['capped']} of {p['rounds']}" for p in per),
-                      " / ".join(f"{p['ratio']:.1f}x" for p in per),
+                      " / ".join(f"{p['ratio']:.1f}x" if p["ratio"] else "-" for p in per),
                       " / ".join(p["missing"] or "-" for p in per)]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + (f"\n\nHonest sites: {', '.join(HONEST)} (test Dice of the global model, mean of the "
@@ -124,19 +131,25 @@ def main(argv=None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--methods", nargs="+", default=list(ATTACKS), choices=list(ATTACKS))
+    parser.add_argument("--table-only", action="store_true", help="run nothing: the table of the finished runs")
     args = parser.parse_args(argv)
     ws = args.workspace.resolve()
     ws.mkdir(parents=True, exist_ok=True)
     runs: dict = {}
-    for job in args.methods:
-        first, *rest = ATTACKS[job]  # the first attack before the honest run: the injection is seen to work early
-        for attack in (first, None, *rest):
-            for seed in args.seeds:
-                runs[(job, attack, seed)] = out = run(ws, job, attack, seed, args.rounds)
-                print(f"{job} {attack or 'honest'} seed {seed}: {json.dumps(out)}", flush=True)
-                (ws / "attack_dice.json").write_text(json.dumps(
-                    {f"{j}/{a or 'honest'}/{s}": v for (j, a, s), v in runs.items()}, indent=1))
-                (ws / "attack_dice.md").write_text(to_markdown(runs, args.seeds, args.rounds))
+    # every method's first attack and honest run before the other attacks (the first attack before the honest run:
+    # the injection is seen to work early)
+    plan = [(job, a) for job in args.methods for a in (ATTACKS[job][0], None)]
+    plan += [(job, a) for job in args.methods for a in ATTACKS[job][1:]]
+    for job, attack in plan:
+        for seed in args.seeds:
+            out = run(ws, job, attack, seed, args.rounds, args.table_only)
+            if out is None:
+                continue
+            runs[(job, attack, seed)] = out
+            print(f"{job} {attack or 'honest'} seed {seed}: {json.dumps(out)}", flush=True)
+            (ws / "attack_dice.json").write_text(json.dumps(
+                {f"{j}/{a or 'honest'}/{s}": v for (j, a, s), v in runs.items()}, indent=1))
+            (ws / "attack_dice.md").write_text(to_markdown(runs, args.seeds, args.rounds))
     print(to_markdown(runs, args.seeds, args.rounds))
 
 
