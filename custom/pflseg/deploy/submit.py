@@ -39,13 +39,17 @@ class StillRunning(KeyboardInterrupt):
 
 
 def submit(job_dir: str | Path, kit: str | Path, user: str | None = None, timeout: float = 3600.0,
-           out: str | Path | None = None, progress=print, poll: float = 2.0) -> dict:
+           out: str | Path | None = None, progress=print, poll: float = 2.0, reconnect: float = 60.0) -> dict:
     """Submit ``job_dir`` as ``user`` (default: the kit folder's name), wait, download, return results.json.
+
+    A lost admin connection while following the job (FLARE's API gives up after ~1.5 s; a busy server answers later)
+    is tried again until ``reconnect`` seconds have passed without an answer; then its error is raised.
 
     Returns the results dict plus ``job_id``, ``status`` (FLARE's final job status) and ``download`` (the
     downloaded folder). Raises SubmitError when the submission is refused (e.g. the user lacks the right)
     or the job ends without pflseg's results.
     """
+    from nvflare.fuel.flare_api.api_spec import NoConnection
     from nvflare.fuel.flare_api.flare_api import new_secure_session
 
     job_dir, kit = Path(job_dir).resolve(), Path(kit).resolve()
@@ -62,12 +66,26 @@ def submit(job_dir: str | Path, kit: str | Path, user: str | None = None, timeou
             raise SubmitError(f"job {job_dir.name} refused for {user}: {exc}") from exc
         progress(f"submitted {job_dir.name} as job {job_id} (user {user}); Ctrl-C stops following it, not the job")
         seen = _Follow(job_id, progress)
-        try:
-            _, meta = sess.monitor_job_and_return_job_meta(job_id, timeout=timeout, poll_interval=poll, cb=seen)
-        except KeyboardInterrupt:
-            raise StillRunning(job_id, kit) from None
-        except Interrupted as exc:  # SIGTERM (pflseg.cli)
-            raise StillRunning(job_id, kit, signal.Signals(exc.signum).name) from None
+        deadline = time.time() + timeout if timeout > 0 else float("inf")  # 0: no limit (FLARE's meaning)
+        said = None  # the server's last answer when the lost connection was said
+        while True:
+            try:
+                left = deadline - time.time()
+                _, meta = sess.monitor_job_and_return_job_meta(job_id, timeout=0 if left == float("inf") else
+                                                               max(left, 0.001), poll_interval=poll, cb=seen)
+                break
+            except KeyboardInterrupt:
+                raise StillRunning(job_id, kit) from None
+            except Interrupted as exc:  # SIGTERM (pflseg.cli)
+                raise StillRunning(job_id, kit, signal.Signals(exc.signum).name) from None
+            except NoConnection as exc:
+                if time.time() - seen.answered > reconnect or time.time() > deadline:
+                    raise
+                if said != seen.answered:  # once per outage
+                    said = seen.answered
+                    progress(f"[{time.time() - seen.t0:6.1f} s] no answer from the server ({exc}); trying again "
+                             f"for up to {reconnect:.0f} s without one")
+                time.sleep(poll)
         if meta is None:
             raise SubmitError(f"job {job_id} did not finish within {timeout:.0f} s")
         seen(sess, job_id, meta)
@@ -114,8 +132,10 @@ class _Follow:
     def __init__(self, job_id: str, progress):
         self.job_id, self.progress, self.status, self.lines, self.t0 = job_id, progress, None, set(), time.time()
         self.no_log = False
+        self.answered = self.t0  # the server's last answer (a job status)
 
     def __call__(self, sess, job_id, meta, *args, **kwargs) -> bool:
+        self.answered = time.time()
         status = meta.get("status")
         if status != self.status:
             self.progress(f"[{time.time() - self.t0:6.1f} s] job {job_id}: {status}")

@@ -1,5 +1,7 @@
 """The admin's per-site table (pflseg.deploy.submit.metrics_table): what one site sent cannot break it."""
 
+import pytest
+
 from pflseg.deploy.submit import metrics_table
 
 
@@ -85,3 +87,40 @@ def test_ctrl_c_says_the_job_goes_on_at_the_server_and_how_to_follow_or_abort_it
     assert captured.err.strip() == (
         f"pflseg: stopped following job job-1 (SIGINT); the job goes on at the server. Follow or abort it in the admin "
         f"console {kit}/startup/fl_admin.sh: `list_jobs`, `download_job job-1`, `abort_job job-1`")
+
+
+class _Flaky(_Session):
+    """A server that does not answer the first ``lost`` polls (FLARE's NoConnection), then says the job is done."""
+
+    def __init__(self, download, lost):
+        super().__init__(download, {"status": "FINISHED:COMPLETED"})
+        self.lost = lost
+
+    def monitor_job_and_return_job_meta(self, job_id, timeout, poll_interval, cb):
+        from nvflare.fuel.flare_api.api_spec import NoConnection
+
+        if self.lost > 0:
+            self.lost -= 1
+            raise NoConnection("cannot connect to server: ERROR_SERVER_CONNECTION")
+        return None, self.meta
+
+
+def test_a_server_that_does_not_answer_for_a_while_is_followed_on(tmp_path, monkeypatch):
+    """Before: one lost admin connection (FLARE's API retries ~1.5 s; a busy server answered later) ended `submit`
+    while the job ran on; now it is tried again until ``reconnect`` s pass without an answer."""
+    from nvflare.fuel.flare_api.api_spec import NoConnection
+
+    from pflseg.deploy.submit import submit
+
+    download = tmp_path / "transfer" / "job-1"
+    download.mkdir(parents=True)
+    (download / "results.json").write_text('{"job": "fedavg"}')
+    said = []
+    job, kit = _submit_setup(tmp_path, monkeypatch, _Flaky(download, lost=3))
+    res = submit(job, kit, progress=said.append, poll=0.01, reconnect=30)
+    assert res["job"] == "fedavg" and res["status"] == "FINISHED:COMPLETED"
+    assert sum("no answer from the server" in m for m in said) == 1  # said once per outage
+    monkeypatch.setattr("nvflare.fuel.flare_api.flare_api.new_secure_session",
+                        lambda *a, **k: _Flaky(download, lost=10**9))
+    with pytest.raises(NoConnection):  # gone for good: given up after reconnect seconds
+        submit(job, kit, progress=said.append, poll=0.01, reconnect=0.2)
