@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 
 from pflseg.deploy.local import LocalFederation
 
@@ -112,3 +113,27 @@ def test_a_killed_participant_started_again_is_stopped_by_shutdown_not_released(
         for proc in fed._popen:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_a_job_the_server_will_not_abort_is_not_waited_for(tmp_path):
+    """A server killed mid-job and started again lists that job as RUNNING for good and answers abort_job with "not
+    running". Before: that error ended stop()'s API shutdown, and every process was SIGKILLed after the timeout."""
+
+    class Session:
+        aborted: list = []
+
+        def list_jobs(self):
+            return [{"job_id": "stale", "status": "RUNNING"}, {"job_id": "live", "status": "RUNNING"},
+                    {"job_id": "done", "status": "FINISHED:COMPLETED"}][:1 if self.aborted == ["live"] else 3]
+
+        def abort_job(self, job_id):
+            if job_id == "stale":
+                raise RuntimeError("server internal error: Job stale is not running.")
+            self.aborted.append(job_id)
+
+    said = []
+    fed = LocalFederation(tmp_path / "federation", progress=said.append)
+    t0 = time.time()
+    fed._abort_jobs(Session(), timeout=30)
+    assert time.time() - t0 < 10 and Session.aborted == ["live"]  # "live" ended once aborted; "stale" not waited for
+    assert "job stale not aborted (server internal error: Job stale is not running.); not waited for" in said
