@@ -8,6 +8,15 @@ values of any size and any n_k under the cap. The functions here bound what such
     clip           u_k <- u_k * min(1, c_c * median_{j != k} ||u_j|| / ||u_k||)     (``clip_updates``)
                    (before any weighting, whatever the method: one site moves an average by at most its
                    weight x c_c honest updates; a state within the bound is passed on as it came)
+                   the same rule (``clip_factors``) for what is not a model update:
+                   summed gradients  ``clip_updates`` from zero (FedSM's epoch-mode selector gradients: a site
+                                     adds at most c_c x the others' median gradient to the sum, whatever its n_k)
+                   LDA statistics    x <- M + f_m (m_k - M) + f_s (x - m_k) for each of site k's features, M the
+                                     sites' median mean, f_m bounding ||m_k - M|| (against the others' RMS distance
+                                     from M), f_s its features' RMS distance from m_k and their RMS along its widest
+                                     direction (``clip_statistics``: FedSM's and FedSM-extra's selector fit)
+                   LC-Fed's coarse heads and IOP-FL's published P_k are states: ``clip_updates`` against the
+                   site's previous head / the bundle's global model
     norm bound     leave k out if ||u_k|| > c_u * median_{j != k} ||u_j|| > 0       (``norm_outliers``)
                    (the whole update u_k = answer - what was sent, and each tensor of it that was sent;
                    the caller may skip keys: honest sites' Adam second moments differ by 1000x and more)
@@ -151,6 +160,28 @@ def _float_keys(base: State, state: State, keys: Sequence[str] | None) -> list[s
             and tuple(base[k].shape) == tuple(state[k].shape)]
 
 
+def clip_factors(norms: Sequence[float], ratio: float) -> tuple[list[float], list[float]]:
+    """Each norm's clip factor at ``ratio`` times the median of the OTHER norms: ``(factors, ratios)``.
+
+    ``factors[k]`` = min(1, ratio * median_{j != k} norms[j] / norms[k]) (1.0 where that median is 0, ``ratio`` is 0
+    or there are fewer than 2 norms); ``ratios[k]`` = norms[k] / that median (0.0 where it is 0). The one rule
+    behind every clip of this module: whatever is clipped, a site is judged by the others, so it cannot raise its
+    own bound.
+    """
+    if ratio < 0:
+        raise ValueError(f"ratio must be >= 0 (0 = no clipping), got {ratio}")
+    factors, ratios = [1.0] * len(norms), [0.0] * len(norms)
+    if len(norms) < 2:
+        return factors, ratios
+    for i, norm in enumerate(norms):
+        med = _median_of_others(norms, i)
+        ratios[i] = norm / med if med > 0 else 0.0
+        bound = ratio * med
+        if bound > 0 and norm > bound:
+            factors[i] = bound / norm
+    return factors, ratios
+
+
 def clip_updates(bases: Sequence[State], states: Sequence[State], ratio: float,
                  keys: Sequence[str] | None = None) -> tuple[list[State], list[float], list[float]]:
     """Each state's update clipped at ``ratio`` times the median of the OTHER states' update norms.
@@ -183,18 +214,96 @@ def clip_updates(bases: Sequence[State], states: Sequence[State], ratio: float,
     norms = [math.sqrt(sum(float(((s[k].detach().to("cpu", torch.float64)
                                    - b[k].detach().to("cpu", torch.float64)) ** 2).sum()) for k in ks))
              for b, s, ks in zip(bases, states, judged)]
-    for i, (base, state, ks) in enumerate(zip(bases, states, judged)):
-        med = _median_of_others(norms, i)
-        ratios[i] = norms[i] / med if med > 0 else 0.0
-        bound = ratio * med
-        if bound <= 0 or norms[i] <= bound:
+    factors, ratios = clip_factors(norms, ratio)
+    for i, (base, state, ks, f) in enumerate(zip(bases, states, judged, factors)):
+        if f >= 1.0:
             continue
-        f = bound / norms[i]
         new = dict(state)
         for key in ks:
             b = base[key].detach().to("cpu", torch.float64)
             new[key] = (b + f * (state[key].detach().to("cpu", torch.float64) - b)).to(state[key].dtype)
-        out[i], factors[i] = new, f
+        out[i] = new
+    return out, factors, ratios
+
+
+def _moments(stats: Mapping[str, torch.Tensor]) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """``(n, feature sum (D,), Gram (D, D))`` of one site's class statistics, float64."""
+    count, sums, gram = (stats[k].detach().to("cpu", torch.float64) for k in ("count", "sum", "gram"))
+    return float(count.sum()), sums.sum(0), gram
+
+
+def _spread(n: float, total: torch.Tensor, gram: torch.Tensor) -> tuple[float, float]:
+    """The RMS distance of a site's n features from their own mean, and their RMS along their widest direction.
+
+    sqrt(tr W / n) and sqrt(lambda_max(W) / n), W = sum_i (x_i - m)(x_i - m)^T = gram - n m m^T, m = total / n.
+    """
+    w = gram - torch.outer(total, total) / n
+    w = (w + w.T) / 2
+    top = float(torch.linalg.eigvalsh(w)[-1]) if w.numel() else 0.0
+    return math.sqrt(max(float(torch.trace(w)), 0.0) / n), math.sqrt(max(top, 0.0) / n)
+
+
+def clip_statistics(stats: Sequence[Mapping[str, torch.Tensor]], ratio: float) -> tuple[list, list[float],
+                                                                                        list[float]]:
+    """Each site's LDA class statistics clipped: its feature mean and its features' spread about that mean.
+
+    The statistics are ``count`` (C,), ``sum`` (C, D) and ``gram`` (D, D) (``pflseg.algorithms.fedsm``) of a site's
+    n_k features x_i, their mean m_k. Judged against the OTHER sites' median (``clip_factors``), each:
+
+    - where: ||m_k - M||, M the coordinate-wise median of the K sites' means (one site cannot move M beyond the
+      others' values, K >= 3), against the others' RMS distance of their features from M (their own spread
+      included: a site that sits on M, or one liar that copies a site onto it, gives no scale of zero);
+    - spread: the RMS distance of its features from m_k, sqrt(tr W_k / n_k), and their RMS along its widest
+      direction, sqrt(lambda_max(W_k) / n_k), W_k = sum_i (x_i - m_k)(x_i - m_k)^T (from its sums and Gram matrix;
+      the site's class means lie inside it: their spread about m_k is part of W_k).
+
+    Where one exceeds ``ratio`` times the others' median, the site's features are moved, x -> M + f_m (m_k - M)
+    + f_s (x - m_k) (f_m the factor of the mean, f_s the smaller of the two spreads'): counts kept, class sums
+    n_c a + f_s s_c and Gram n a a^T + f_s (a t^T + t a^T) + f_s^2 G, with a = M + f_m (m_k - M) - f_s m_k and t the
+    site's feature sum. These are the statistics of real (moved) features, so they pass ``check_statistics`` as
+    before. Then the site's mean lies within ``ratio`` x the others' median RMS distance of M, each of its class means
+    within sqrt(n_k / n_kc) x ``ratio`` x their median spread of its mean, and its part of the pooled covariance, in
+    total and along any one direction, within ``ratio``^2 x theirs per sample (times its count, which
+    ``bounded_weights`` caps).
+
+    Returns:
+        ``(stats, factors, ratios)`` as ``clip_updates``: statistics within the bound are the SAME object (an honest
+        round is unchanged bit for bit), moved ones a new dict (float64); ``factors[k]`` the smaller of f_m and f_s,
+        ``ratios[k]`` the largest of its three ratios to the others' median.
+    """
+    if ratio < 0:
+        raise ValueError(f"ratio must be >= 0 (0 = no clipping), got {ratio}")
+    out, k = list(stats), len(stats)
+    if k < 2:
+        return out, [1.0] * k, [0.0] * k
+    moments = [_moments(st) for st in stats]
+    if any(not n > 0 for n, _, _ in moments):
+        raise ValueError(f"every site's class counts must sum to > 0, got {[n for n, _, _ in moments]}")
+    means = torch.stack([t / n for n, t, _ in moments])
+    center = combine_rows(means, [1.0] * k, "median")
+    spreads = [_spread(n, total, gram) for n, total, gram in moments]
+    offsets = [float((m - center).norm()) for m in means]
+    scales = [math.hypot(o, s[0]) for o, s in zip(offsets, spreads)]  # RMS distance of a site's features from M
+    f_mean, r_mean = [1.0] * k, [0.0] * k
+    for i, offset in enumerate(offsets):
+        med = _median_of_others(scales, i)
+        r_mean[i] = offset / med if med > 0 else 0.0
+        if ratio > 0 and med > 0 and offset > ratio * med:
+            f_mean[i] = ratio * med / offset
+    f_rms, r_rms = clip_factors([s[0] for s in spreads], ratio)
+    f_top, r_top = clip_factors([s[1] for s in spreads], ratio)
+    factors, ratios = [], []
+    for i, (n, total, gram) in enumerate(moments):
+        f_m, f_s = f_mean[i], min(f_rms[i], f_top[i])
+        factors.append(min(f_m, f_s))
+        ratios.append(max(r_mean[i], r_rms[i], r_top[i]))
+        if f_m >= 1.0 and f_s >= 1.0:
+            continue
+        count, sums = (stats[i][key].detach().to("cpu", torch.float64) for key in ("count", "sum"))
+        a = center + f_m * (means[i] - center) - f_s * means[i]
+        out[i] = {**stats[i], "count": count, "sum": count[:, None] * a + f_s * sums,
+                  "gram": n * torch.outer(a, a) + f_s * (torch.outer(a, total) + torch.outer(total, a))
+                  + f_s * f_s * gram}
     return out, factors, ratios
 
 

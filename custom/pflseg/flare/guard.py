@@ -13,6 +13,9 @@ together can; the config section ``robust`` (``app_configs/defaults.yaml``) sets
   is capped at ``robust.n_k_ratio`` x the median of the other sites' n_k in the server's table (their first
   accepted n_k: ``cap_n_k``; the capped value is the site's weight everywhere: aggregation, best-model selection,
   its first accepted n_k), named in the log and in results.json ``n_k_capped``.
+- ``note_clips``: where a method combines what the task did not send (FedSM's epoch-mode selector gradients and
+  LDA statistics, LC-Fed's coarse heads), it clips with the same rule (``pflseg.algorithms.robust``) and records the
+  clip here, as ``clip`` does (``update_clipped``, ``update_ratio``).
 - ``aggregate`` / ``robust_args``: the aggregation rule of every method that averages (``robust.aggregation``:
   mean | median | trimmed_mean, ``robust.trim``; ``pflseg.algorithms.robust``).
 - ``validation_score``: the best global model is chosen on the sites' validation Dice combined by the same
@@ -97,6 +100,23 @@ def clip(ctrl, task: str, payloads: dict, usable: dict, ratio: float) -> None:
                              "median of the other sites' update norms (robust.clip)")
     for site in sites:
         usable.site_metrics.setdefault(site, {})["update_ratio"] = round(worst[site], 4)
+
+
+def note_clips(ctrl, usable: dict, part: str, sites: list, factors: list, ratios: list) -> None:
+    """Record a clip a method made where it combines the sites' answers (FedSM's selector gradients and LDA statistics,
+    LC-Fed's coarse heads: ``pflseg.algorithms.robust``), as ``clip`` does: for each of ``sites`` that is in
+    ``usable`` its round metrics' ``update_ratio`` becomes the larger of its value and this ratio; a clipped site's
+    ``update_clipped`` too, with a warning naming the site and ``part``."""
+    ratio = ctrl.cfg["robust"]["clip"]
+    for site, factor, r in zip(sites, factors, ratios):
+        if site not in usable:
+            continue
+        metrics = getattr(usable, "site_metrics", {}).setdefault(site, {})  # a plain dict of answers: log only
+        metrics["update_ratio"] = round(max(float(metrics.get("update_ratio", 0.0)), r), 4)
+        if factor < 1.0:
+            metrics["update_clipped"] = round(max(float(metrics.get("update_clipped", 0.0)), r), 4)
+            ctrl.warning(f"site {site}: {part} clipped from {r:.3g} x to {ratio:g} x the median of the other sites' "
+                         "(robust.clip)")
 
 
 def cap_n_k(ctrl, task: str, usable: dict, ratio: float) -> None:

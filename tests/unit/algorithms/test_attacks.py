@@ -1,4 +1,6 @@
-"""One lying site (or two colluders) inside the bounds, as pure-function experiments (issue 39 F1, F2, F5, F6, F7).
+"""One lying site (or two colluders) inside the bounds, as pure-function experiments (issue 39 F1, F2, F5, F6, F7;
+and the parts bounded since: FedSM's epoch-mode selector gradients, FedSM-extra's LDA statistics, LC-Fed's coarse
+heads, IOP-FL's published P_k).
 
 Each experiment runs the project's own functions the way the server does in a round (``pflseg.flare.guard``:
 n_k capped against the others, each update clipped at ``robust.clip`` x the others' median, then the method's
@@ -26,13 +28,16 @@ from pflseg.algorithms.fedsm import (
     class_statistics,
     flatten_optimizer_state,
     lda_head,
+    pooled_adam_step,
 )
 from pflseg.algorithms.grace import grace_step
+from pflseg.algorithms.lcfed import disagreement_map
 from pflseg.algorithms.robust import (
     aggregate,
     bound_moments,
     bounded_weights,
     check_moments,
+    clip_statistics,
     clip_updates,
     combine_rows,
     norm_outliers,
@@ -231,7 +236,8 @@ def lda_attack(kind: str, k: int, bounds: dict) -> float:
     ``foreign_classes`` (the issue's): the liar adds n_k 99x the others' of every other site's class with means
     pushed 10 units away, and puts its own class at the honest sites' mean: refused now (``check_statistics``).
     ``own_mimic``: the most a liar can do within the checks: its own class only, with images drawn like an honest
-    site's (its mean guessed exactly), its n_k capped as the server caps it.
+    site's (its mean guessed exactly), its n_k capped as the server caps it; with the defaults every site's
+    statistics then clipped (``clip_statistics``).
     """
     before = bounds is BEFORE
     worst = 0.0
@@ -258,10 +264,145 @@ def lda_attack(kind: str, k: int, bounds: dict) -> float:
                 liar = None  # refused on arrival, naming the site
             else:  # weighed as its capped n_k (``FedSMController.fit_selector``)
                 liar = {key: v * min(1.0, capped / declared) for key, v in liar.items()}
-        pooled = add_statistics(([liar] if liar is not None else []) + stats[1:] + [stats[0]] * (liar is None))
+        sent = ([liar] if liar is not None else []) + stats[1:] + [stats[0]] * (liar is None)
+        if not before:  # each site's statistics clipped (``FedSMController.fit_selector``)
+            sent = clip_statistics(sent, bounds["clip"])[0]
+        pooled = add_statistics(sent)
         weight, bias = lda_head(pooled, 0.1)
         routed = torch.cat([(f @ weight.T + bias).argmax(1) for f in feats[1:]])
         worst = max(worst, float((routed == 0).double().mean()))
+    return worst
+
+
+def selector_attack(k: int, bounds: dict, rounds_after: int = 8) -> float:
+    """FedSM, ``selector_steps: epoch``: the server's pooled Adam step on the sites' summed gradients (a linear
+    selector, each site's images its own class). After 3 honest rounds the liar (site 0) sends -99 x the honest
+    sites' mean gradient (its n_k does not matter: it weighs neither the sum nor the clip); ``rounds_after`` honest
+    rounds follow. Returned: the largest over seeds of
+    ||w - w_h|| over the norm of one honest round's step, w the selector after those rounds and w_h the same rounds
+    with site 0 honest (the liar's pull, and its exp_avg_sq slowing every later step)."""
+    before = bounds is BEFORE
+    worst = 0.0
+    flat = lambda w: torch.cat([v.reshape(-1).double() for v in w.values()])  # noqa: E731
+    for seed in SEEDS:
+        _, feats = _site_data(k, 32, seed)
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(feats[0].shape[1], k)
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+        def grads_at(w):
+            out = []
+            for site, f in enumerate(feats):
+                model.load_state_dict(w)
+                model.zero_grad()
+                torch.nn.functional.cross_entropy(model(f), torch.full((f.shape[0],), site), reduction="sum").backward()
+                out.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+            return out
+
+        def run(attack: bool) -> list[dict]:
+            w, moments, path = dict(params), {}, [dict(params)]
+            for r in range(3 + 1 + rounds_after):
+                grads = grads_at(w)
+                if attack and r == 3:
+                    grads[0] = {n: -99 * sum(g[n] for g in grads[1:]) / (k - 1) for n in grads[0]}
+                if not before:  # n_k does not weigh a sum of gradients, nor its clip
+                    grads = clip_updates({n: torch.zeros_like(v) for n, v in w.items()}, grads, bounds["clip"])[0]
+                w, moments = pooled_adam_step(w, grads, moments, 1e-2)
+                path.append(dict(w))
+            return path
+
+        attacked, honest = run(True), run(False)
+        step = float((flat(honest[4]) - flat(honest[3])).norm())
+        worst = max(worst, float((flat(attacked[-1]) - flat(honest[-1])).norm()) / step)
+    return worst
+
+
+def extra_lda_attack(kind: str, k: int, bounds: dict, lying_n_k: bool = True) -> float:
+    """FedSM-extra: the (K+1)-class LDA selector (0 = global, i + 1 = site i's personalized model). Honest site i
+    labels a third of its images 0 and the rest i + 1. The liar (site 0) declares n_k 99x (``lying_n_k``; else the
+    honest sites' n_k), all of its images class 0
+    (any class passes the checks in the extra rounds); ``means``: its features 30 units (about 10 of the sites'
+    spreads) from the honest sites' mean; ``covariance``: at the honest sites' mean, spread 100 units along the line
+    from site 1's mean to site 2's. Returned: the largest over seeds of the share of the honest sites' images routed
+    otherwise than by the selector fitted with site 0 honest."""
+    before = bounds is BEFORE
+    worst = 0.0
+    for seed in SEEDS:
+        means, feats = _site_data(k, 60, seed)
+        gen = torch.Generator().manual_seed(seed + 100)
+        labels = [torch.where(torch.rand(f.shape[0], generator=gen) < 1 / 3, 0, i + 1) for i, f in enumerate(feats)]
+        stats = [class_statistics(f, y, k + 1) for f, y in zip(feats, labels)]
+        n, d = feats[0].shape[0], means.shape[1]
+        m = 99 * n if lying_n_k else n
+        noise = torch.randn(m, d, generator=gen)
+        if kind == "means":
+            direction = torch.randn(d, generator=gen)
+            fake = means[1:].mean(0) + 30.0 * direction / direction.norm() + noise
+        else:
+            line = (means[2] - means[1]) / (means[2] - means[1]).norm()
+            fake = means[1:].mean(0) + 100.0 * noise[:, :1] * line + noise
+        liar = class_statistics(fake, torch.zeros(m, dtype=torch.long), k + 1)
+        declared = m
+        capped = bounded_weights([float(declared)] + [float(n)] * (k - 1), bounds["n_k_ratio"])[0]
+        liar = {key: v * min(1.0, capped / declared) for key, v in liar.items()}  # weighed as its capped n_k
+        sent = [liar] + stats[1:]
+        if not before:
+            sent = clip_statistics(sent, bounds["clip"])[0]
+
+        def routes(pooled):
+            weight, bias = lda_head(pooled, 0.1)
+            return torch.cat([(f @ weight.T + bias).argmax(1) for f in feats[1:]])
+
+        changed = routes(add_statistics(sent)) != routes(add_statistics(stats))
+        worst = max(worst, float(changed.double().mean()))
+    return worst
+
+
+def head_attack(k: int, bounds: dict) -> float:
+    """LC-Fed's coarse heads (1x1 convolutions over C = 16 decoder channels) as HC reads them: site 1's disagreement
+    map U = the std over every site's head of its sigmoid output on site 1's decoder features. Each site's head
+    moves by a small honest step a round (norms 0.7 .. 1.3 x 0.05); the liar (site 0) sends its previous head + 99 x
+    its honest step. Returned: the largest over seeds of ||U - U_h|| / ||U_h - U_0||, U_h with site 0 honest, U_0
+    before the round (how far the liar moves another site's calibration map, in units of one honest round)."""
+    worst = 0.0
+    for seed in SEEDS:
+        gen = torch.Generator().manual_seed(seed)
+        c = 16
+        feature = torch.randn(2, c, 16, 16, generator=gen)
+        held = [{"weight": torch.randn(1, c, 1, 1, generator=gen) * 0.3, "bias": torch.zeros(1)} for _ in range(k)]
+        steps = []
+        for i in range(k):
+            d = torch.randn(c + 1, generator=gen)
+            d = d / d.norm() * (0.7 + 0.6 * i / max(k - 1, 1)) * 0.05
+            steps.append({"weight": d[:c].reshape(1, c, 1, 1), "bias": d[c:]})
+        honest = [{key: h[key] + st[key] for key in h} for h, st in zip(held, steps)]
+        sent = [{key: held[0][key] + 99 * steps[0][key] for key in held[0]}] + honest[1:]
+        if bounds is not BEFORE:
+            sent = clip_updates(held, sent, bounds["clip"])[0]
+
+        def umap(heads):
+            return disagreement_map([torch.sigmoid(torch.nn.functional.conv2d(feature, h["weight"], h["bias"]))
+                                     for h in heads])
+
+        u0, uh, u = umap(held), umap(honest), umap(sent)
+        worst = max(worst, float((u - uh).norm() / (uh - u0).norm()))
+    return worst
+
+
+def person_attack(k: int, bounds: dict) -> float:
+    """IOP-FL's routing bundle {P_1..P_K, w_g}: routing starts from the experts' average. Honest P_k = w_g + u_k
+    (``honest_round``); the liar (site 0) publishes w_g + 99 u_0. Returned: the largest over seeds of how far the
+    experts' average moves from the honest bundle's, over the median honest ||P_k - w_g||."""
+    worst = 0.0
+    for seed in SEEDS:
+        g0, updates = honest_round(k, seed)
+        honest = [_unflat(_flat(g0) + u) for u in updates]
+        sent = [_unflat(_flat(g0) + 99 * updates[0])] + honest[1:]
+        if bounds is not BEFORE:
+            sent = clip_updates(g0, sent, bounds["clip"])[0]
+        average = lambda states: sum(_flat(s) for s in [g0, *states]) / (k + 1)  # noqa: E731
+        worst = max(worst, float((average(sent) - average(honest)).norm())
+                    / statistics.median(float(u.norm()) for u in updates[1:]))
     return worst
 
 
@@ -296,6 +437,15 @@ def attack_table() -> list[dict]:
             lambda b, k=k: lda_attack("foreign_classes", k, b), unit="routed")
         add("F2", "FedSM lda: own class mimicking site 2, n_k 99x", k,
             lambda b, k=k: lda_attack("own_mimic", k, b), unit="routed")
+        add("F7", "FedSM epoch-mode selector gradient: sign-flipped 99x (8 rounds on, in honest steps)", k,
+            lambda b, k=k: selector_attack(k, b))
+        add("F2", "FedSM-extra lda: class 0, means 30 units off, n_k 99x (rerouted)", k,
+            lambda b, k=k: extra_lda_attack("means", k, b), unit="rerouted")
+        add("F2", "FedSM-extra lda: class 0, spread 100 units along sites 1-2, n_k 99x (rerouted)", k,
+            lambda b, k=k: extra_lda_attack("covariance", k, b), unit="rerouted")
+        add("F8", "LC-Fed coarse head: 99x its update (another site's HC map)", k, lambda b, k=k: head_attack(k, b))
+        add("F8", "IOP-FL published P_k: 99x its distance from w_g (experts' average)", k,
+            lambda b, k=k: person_attack(k, b))
     return rows
 
 
@@ -314,7 +464,7 @@ def _grace_aligned(k: int, bounds: dict) -> float:
 def markdown(rows: list[dict]) -> str:
     """The table of docs/privacy.md."""
     def fig(v, unit):
-        return f"{100 * v:.0f} %" if unit == "routed" else f"{v:.2f}x"
+        return f"{100 * v:.0f} %" if unit in ("routed", "rerouted") else f"{v:.2f}x"
     lines = ["| ID | attack (one site unless said) | K | before | defaults now |", "|---|---|---|---|---|"]
     lines += [f"| {r['id']} | {r['attack']} | {r['K']} | {fig(r['before'], r['unit'])} | {fig(r['now'], r['unit'])} |"
               for r in rows]
@@ -378,6 +528,27 @@ def test_f2_lda_statistics_for_other_classes_are_refused(k):
     assert "summing to n_k = 17" in check_statistics(own, 17, own_class=1)
     forged = {**own, "gram": own["gram"] * 0.5}  # a Gram matrix smaller than its class mean's part
     assert "eigenvalue" in check_statistics(forged, 16, own_class=1)
+
+
+@pytest.mark.parametrize("k", [3, 5])
+def test_f7_epoch_gradients_are_clipped_before_they_are_summed(k):
+    assert selector_attack(k, defaults(), rounds_after=4) < 0.5 * selector_attack(k, BEFORE, rounds_after=4)
+
+
+@pytest.mark.parametrize("k", [3, 5])
+def test_f2_extra_lda_statistics_are_clipped_and_honest_ones_kept(k):
+    assert extra_lda_attack("covariance", k, defaults()) < 0.75 * extra_lda_attack("covariance", k, BEFORE)
+    means, feats = _site_data(k, 60, 0)
+    gen = torch.Generator().manual_seed(0)
+    honest = [class_statistics(f, torch.randint(0, k + 1, (60,), generator=gen), k + 1) for f in feats]
+    out, factors, _ = clip_statistics(honest, defaults()["clip"])
+    assert all(a is b for a, b in zip(out, honest)) and factors == [1.0] * k  # unchanged, bit for bit
+
+
+@pytest.mark.parametrize("k", [3, 5])
+def test_f8_lcfed_heads_and_iopfl_p_k_are_clipped(k):
+    assert head_attack(k, defaults()) <= 3.0 < 10 < head_attack(k, BEFORE)
+    assert person_attack(k, defaults()) <= 1.0 < 5 < person_attack(k, BEFORE)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pflseg.algorithms.fedavg import weighted_average
-from pflseg.algorithms.fedsm import average_moments
+from pflseg.algorithms.fedsm import average_moments, check_statistics, class_statistics
 from pflseg.algorithms.grace import grace_step
 from pflseg.algorithms.lcfed import average_shared
 from pflseg.algorithms.robust import (
@@ -15,6 +15,7 @@ from pflseg.algorithms.robust import (
     bound_moments,
     bounded_weights,
     check_moments,
+    clip_statistics,
     clip_updates,
     combine_rows,
     first_nonfinite,
@@ -76,6 +77,46 @@ def test_clip_updates_bounds_one_update_and_passes_the_others_on_as_they_came():
     assert clip_updates(base, states, 0.0)[0] == states  # 0 = no clipping
     two, f2, _ = clip_updates([base, base], states[1:], 3.0)  # K = 2: each bounded by the other
     assert f2[0] == 1.0 and float(two[1]["w"].norm()) == pytest.approx(18.0)
+
+
+def _lda_sites(k: int, seed: int = 0, n: int = 40, d: int = 6):
+    gen = torch.Generator().manual_seed(seed)
+    means = 2.0 * torch.randn(k, d, generator=gen, dtype=torch.float64)
+    feats = [means[i] + torch.randn(n, d, generator=gen, dtype=torch.float64) for i in range(k)]
+    labels = [torch.randint(0, k + 1, (n,), generator=gen) for _ in range(k)]  # FedSM-extra: any class
+    return feats, labels
+
+
+def test_clip_statistics_keeps_honest_sites_and_pulls_a_far_one_to_the_bound():
+    feats, labels = _lda_sites(3)
+    stats = [class_statistics(f, y, 4) for f, y in zip(feats, labels)]
+    out, factors, ratios = clip_statistics(stats, 3.0)
+    assert all(a is b for a, b in zip(out, stats)) and factors == [1.0] * 3 and max(ratios) < 3.0
+    far = feats[0] + 50.0  # every class mean of site 1 displaced, its spread as it was
+    liar = class_statistics(far, labels[0], 4)
+    out, factors, ratios = clip_statistics([liar, *stats[1:]], 3.0)
+    assert factors[0] < 0.2 and ratios[0] > 10 and out[1] is stats[1] and out[2] is stats[2]
+    # the clipped statistics are those of the moved features x -> M + f (m - M) + (x - m), M the median of the means
+    means = torch.stack([far.mean(0), feats[1].mean(0), feats[2].mean(0)])
+    center = means.median(0).values  # K = 3: the middle value
+    moved = class_statistics(center + factors[0] * (means[0] - center) + (far - means[0]), labels[0], 4)
+    for key in ("count", "sum", "gram"):
+        assert torch.allclose(out[0][key], moved[key], atol=1e-8), key
+    assert check_statistics(out[0], 40) is None  # still statistics of 40 features
+    _, again, ratios = clip_statistics([out[0], *stats[1:]], 3.0)  # at the bound now: not moved again
+    assert again == pytest.approx([1.0] * 3) and ratios[0] == pytest.approx(3.0)
+
+
+def test_clip_statistics_bounds_the_spread_along_one_direction():
+    feats, labels = _lda_sites(5)
+    e = torch.zeros(6, dtype=torch.float64)
+    e[0] = 1.0
+    wide = feats[0] + 40.0 * torch.randn(40, 1, generator=torch.Generator().manual_seed(9), dtype=torch.float64) * e
+    stats = [class_statistics(f, y, 6) for f, y in zip([wide, *feats[1:]], labels)]
+    out, factors, ratios = clip_statistics(stats, 3.0)
+    assert factors[0] < 1.0 and factors[1:] == [1.0] * 4
+    assert clip_statistics(stats, 0.0)[1] == [1.0] * 5  # 0 = no clipping
+    assert clip_statistics(stats[:1], 3.0)[0][0] is stats[0]  # one site: nothing to judge it by
 
 
 def test_adam_moments_satisfy_adams_own_bound_and_forged_ones_do_not():

@@ -44,7 +44,7 @@ from pflseg.algorithms.fedsm import (
     pooled_adam_step,
     scale_statistics,
 )
-from pflseg.algorithms.robust import bound_moments, check_moments
+from pflseg.algorithms.robust import bound_moments, check_moments, clip_statistics, clip_updates
 from pflseg.algorithms.softpull import check_lam, softpull
 from pflseg.config import ConfigError, check_choice, check_lr
 from pflseg.flare import guard
@@ -253,11 +253,21 @@ class FedSMController(FedSMSection, RoundController):
             fresh = {s: scale_statistics(st, min(1.0, results[s].meta[FLMetaKey.NUM_STEPS_CURRENT_ROUND]
                                                  / max(float(st["count"].sum()), 1.0)))
                      for s, st in fresh.items()}
-            lda_stats = {**lda_stats, **fresh}
+            # each fresh site's statistics clipped: its feature mean and spread at robust.clip x the others'
+            # (clip_statistics); a site that did not answer keeps its statistics as they were judged when they came
+            merged = {**lda_stats, **fresh}
+            sites = list(merged)
+            stats, factors, ratios = clip_statistics([merged[s] for s in sites], self.cfg["robust"]["clip"])
+            guard.note_clips(self, results, "selector statistics", sites, factors, ratios)
+            lda_stats = {**lda_stats, **{s: st for s, st in zip(sites, stats) if s in fresh}}
             weight, bias = lda_head(add_statistics(list(lda_stats.values())), fedsm["lda_shrinkage"])
             return {**selector, "classifier.weight": weight, "classifier.bias": bias}, moments, lda_stats
         if fedsm["selector_steps"] == "epoch":
             grads = [unprefixed(GRAD, res.params) for res in results.values()]
+            # each site's summed gradient clipped at robust.clip x the others' median norm (clip_updates from zero)
+            zero = {k: torch.zeros_like(v) for k, v in grads[0].items()}
+            grads, factors, ratios = clip_updates(zero, grads, self.cfg["robust"]["clip"])
+            guard.note_clips(self, results, "selector gradient", list(results), factors, ratios)
             if self.cfg["robust"]["aggregation"] != "mean":  # the sum = K x the robust combination (unweighted)
                 combined = guard.aggregate(self.cfg, grads, [1.0] * len(grads))
                 grads = [{k: v * len(results) for k, v in combined.items()}]

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from pflseg.algorithms.iopfl import RULES
+from pflseg.algorithms.robust import clip_updates
 from pflseg.algorithms.routing import LOSS_WEIGHTS, RESTS, ROUTERS, SHAPE_REDUCTIONS
 from pflseg.config import ConfigError, check_choice
 from pflseg.flare.columns import Score, score
@@ -85,14 +86,31 @@ class IOPFLController(IOPFLSection, FedAvgController):
             return {}
         subs = self.send_each("submit_model", {s: self.message(self.n_rounds()) for s in self.sites},
                               reference=prefixed(SITE, self.state.global_state))
+        best = self.state.best_state or self.state.global_state
+        person, notes = self.bounded_person(subs, best)
         bundle = {"sites": sorted(subs), "person_round": {s: int(res.meta["round"]) for s, res in subs.items()},
                   "fg_fraction": {s: [float(x) for x in res.meta["fg_fraction"]] for s, res in subs.items()},
-                  **prefixed(GLOBAL, self.state.best_state or self.state.global_state),
-                  **by_site(PERSON, {site: unprefixed(SITE, res.params) for site, res in subs.items()})}
+                  **prefixed(GLOBAL, best), **by_site(PERSON, person)}
         path = self.store.root / BUNDLE
         save_file(path, bundle)
         self.info(f"routing bundle (global + P_k of {bundle['sites']}) written to {path}")
-        return {"bundle": str(path), "person_round": bundle["person_round"]}
+        return {"bundle": str(path), "person_round": bundle["person_round"], **notes}
+
+    def bounded_person(self, subs: dict, best: dict) -> tuple[dict, dict]:
+        """Each published P_k with its difference from the bundle's global model ``best`` clipped at ``robust.clip`` x
+        the median of the other sites' (``clip_updates``): routing mixes the experts, and starts from their average,
+        so one site's P_k moves every outside site's model by at most that many honest P_k's. Returns ({site: P_k},
+        results.json's ``person_update_ratio`` {site: its ratio to the others' median} and, when one was clipped,
+        ``person_clipped`` {site: note}, named in the log too)."""
+        sites = list(subs)
+        ratio = self.cfg["robust"]["clip"]
+        person, factors, ratios = clip_updates(best, [unprefixed(SITE, subs[s].params) for s in sites], ratio)
+        clipped = {s: f"P_k - w_g clipped from {r:.3g} x to {ratio:g} x the median of the other sites' (robust.clip)"
+                   for s, f, r in zip(sites, factors, ratios) if f < 1.0}
+        for site, note in clipped.items():
+            self.warning(f"submit_model: site {site}: {note}")
+        notes = {"person_update_ratio": {s: round(r, 4) for s, r in zip(sites, ratios)}}
+        return dict(zip(sites, person)), {**notes, **({"person_clipped": clipped} if clipped else {})}
 
 
 class IOPFLRoutingController(IOPFLSection, PostTrainingController):

@@ -14,10 +14,11 @@ model on its validation split.
 from __future__ import annotations
 
 from pflseg.algorithms.lcfed import CONTRAST_ON, HC_MAPS, average_shared, exchanges_heads
+from pflseg.algorithms.robust import clip_updates
 from pflseg.config import ConfigError, check_choice
 from pflseg.flare.controllers.base import RoundOutput
 from pflseg.flare.controllers.fedavg import FedAvgController
-from pflseg.flare.guard import robust_args
+from pflseg.flare.guard import note_clips, robust_args
 from pflseg.flare.server_state import BY_SITE, ServerState
 from pflseg.flare.wire import GLOBAL, HEAD, HEADS, by_site, prefixed, unprefixed
 from pflseg.nets import build_net
@@ -108,12 +109,30 @@ class LCFedController(FedAvgController):
 
     def exchange_heads(self, results: dict, payloads: dict, heads: dict) -> tuple[dict, dict]:
         """HC's head exchange after a round: each answering site's coarse head becomes its latest in ``heads`` (site
-        -> head). Returns (the new heads, the round's entry ``head_bytes`` {"up", "down"}: the bytes of the heads the
-        answering sites sent and were sent)."""
+        -> head), its update clipped first at ``robust.clip`` x the median of the other answering sites' head updates
+        (``clip_updates``; the update is taken from its head in ``heads``, or from the initial model's head, which
+        every site's head starts from: one site cannot push its head, which every other site's calibration map reads,
+        further per round than that many honest head updates). Returns (the new heads, the round's entry
+        ``head_bytes`` {"up", "down"}: the bytes of the heads the answering sites sent and were sent)."""
         down = sum(nbytes(unprefixed(HEADS, p.params)) for s, p in payloads.items() if s in results)
         up = sum(nbytes(unprefixed(HEAD, res.params)) for res in results.values())
-        new = {**heads, **{site: unprefixed(HEAD, res.params) for site, res in results.items()}}
+        sites = list(results)
+        start = {} if all(s in heads for s in sites) else self.head_start(payloads)
+        sent, factors, ratios = clip_updates([heads.get(s, start) for s in sites],
+                                             [unprefixed(HEAD, results[s].params) for s in sites],
+                                             self.cfg["robust"]["clip"])
+        note_clips(self, results, "coarse head update", sites, factors, ratios)
+        new = {**heads, **dict(zip(sites, sent))}
         return new, {"head_bytes": {"up": up, "down": down}}
+
+    def head_start(self, payloads: dict) -> dict:
+        """The initial model's coarse head: in round 0's payloads (the whole model), else rebuilt
+        (``initial_state``)."""
+        for payload in payloads.values():
+            head = unprefixed(HEAD, unprefixed(GLOBAL, payload.params or {}))
+            if head:
+                return head
+        return unprefixed(HEAD, self.initial_state())
 
     def final_params(self, site: str) -> dict:
         shared = {k: self.state.global_state[k] for k in self.shared_keys()}
