@@ -19,14 +19,28 @@ def site_dice(results: dict) -> dict[str, float]:
     return {site: metrics[key]["dice"] for site, metrics in sorted(results["test"].items())}
 
 
+def run_columns(results: dict, job: str) -> list[tuple[str, str]]:
+    """(label, test-metrics key) of every model a run scores at its sites, as its method's registry entry names them
+    (its inside columns of its own job, ``Method.inside[method]``, e.g. Ditto's global and personalized models); a
+    method without them: the run's name and the model the method reports."""
+    entry = METHODS.get(results["method"])
+    cols = entry.inside.get(results["method"], ()) if entry is not None else ()
+    own = [(c.label, c.key) for c in cols if c.read is None and c.job == results["method"]]
+    if own:
+        return own
+    return [(label(results, job), "site" if entry is not None and entry.site.personalized else "global")]
+
+
 def dice_table(all_results: dict[str, dict]) -> str:
-    """Markdown table: one row per site (plus the mean), one column per job."""
-    columns = {name: site_dice(res) for name, res in all_results.items()}
+    """Markdown table: one row per site (plus the mean), one column per model each job's sites scored
+    (``run_columns``; a model no site scored is left out); a site that did not score a model shows "-"."""
+    scored = {(n, lab): {site: m[key]["dice"] for site, m in res["test"].items() if isinstance(m.get(key), dict)}
+              for n, res in all_results.items() for lab, key in run_columns(res, n)}
+    columns = {name: col for name, col in scored.items() if col}
     sites = sorted({s for col in columns.values() for s in col})
-    names = list(columns)
-    rows = [[site, *(f"{columns[n][site]:.4f}" if site in columns[n] else "-" for n in names)] for site in sites]
-    rows.append(["mean", *(f"{sum(columns[n].values()) / max(len(columns[n]), 1):.4f}" for n in names)])
-    return markdown_table(["site", *(label(all_results[n], n) for n in names)], rows)
+    rows = [[site, *(f"{col[site]:.4f}" if site in col else "-" for col in columns.values())] for site in sites]
+    rows.append(["mean", *(f"{sum(col.values()) / max(len(col), 1):.4f}" for col in columns.values())])
+    return markdown_table(["site", *(lab for _, lab in columns)], rows)
 
 
 #: columns of the per-site test table (``metric_rows``): one row per site and model the site scored

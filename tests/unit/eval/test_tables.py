@@ -96,3 +96,17 @@ def test_every_test_row_names_the_round_of_its_model_from_1():
                         "test": {"a": {"global": m, "global_adabn": m, "site": {**m, "selected_round": 1}}}})
     assert [r["selected_round"] for r in rows] == [2, 2, 1]
     assert metric_table(rows).endswith(METRIC_LEGEND) and "0 = the initial model" in METRIC_LEGEND
+
+
+def test_a_run_s_table_shows_every_model_its_method_names_and_leaves_out_what_no_site_scored():
+    from pflseg.eval.tables import dice_table
+
+    def score(d):
+        return {"dice": d, "n_cases": 2}
+    res = {"method": "fedavg", "test": {"a": {"global": score(0.5), "global_adabn": score(0.7)},
+                                        "b": {"global": score(0.3)}}}
+    assert dice_table({"fedavg": res}).splitlines() == [
+        "| site | FedAvg | FedAvg + AdaBN |", "|---|---|---|", "| a | 0.5000 | 0.7000 |", "| b | 0.3000 | - |",
+        "| mean | 0.4000 | 0.7000 |"]
+    del res["test"]["a"]["global_adabn"]
+    assert dice_table({"fedavg": res}).splitlines()[0] == "| site | FedAvg |"

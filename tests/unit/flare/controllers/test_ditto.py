@@ -79,8 +79,8 @@ def ditto_results(sites: list[str]) -> dict:
 
 def test_the_run_tables_report_its_personalized_model_and_list_its_global_one():
     res = ditto_results(["site-1", "site-2"])
-    assert dice_table({"ditto": res}).splitlines()[:3] == ["| site | Ditto |", "|---|---|",
-                                                           "| site-1 | 0.6500 |"]
+    assert dice_table({"ditto": res}).splitlines()[:3] == ["| site | Ditto global | Ditto personalized |",
+                                                           "|---|---|---|", "| site-1 | 0.5500 | 0.6500 |"]
     rows = {(r["site"], r["model"]): r for r in metric_rows(res)}
     assert rows["site-1", "site"]["reported"] == "yes" and rows["site-1", "global"]["dice"] == 0.55
 
