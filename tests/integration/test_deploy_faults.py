@@ -42,9 +42,9 @@ def test_server_killed_mid_round_then_resumed_gives_the_uninterrupted_models(fed
         fed.kill(server)
 
     progress = on_round(1, crash)
-    with pytest.raises(Exception) as died:  # the admin connection dies with the server
+    with pytest.raises(Exception) as died:  # the admin connection dies with the server (given up after 5 s)
         submit(job(tmp_path / "2", "fedavg"), fed.admin_kit(), out=tmp_path / "dl2", progress=progress, poll=0.5,
-               timeout=300)
+               timeout=300, reconnect=5)
     say(f"submit ended with the server: {died.value!r}"[:300])
     assert "done" in progress.seen, "never saw round 1 finish"
     name = whole["config"]["name"]  # the job's state folder
