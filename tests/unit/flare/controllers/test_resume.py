@@ -13,7 +13,6 @@ from nvflare.app_common.abstract.fl_model import FLModel
 from pflseg.algorithms.fedsm import TEMPERATURES
 from pflseg.flare.controllers.base import PostTrainingController
 from pflseg.flare.methods import METHODS
-from pflseg.flare.server_state import ServerState
 from tests.unit.flare.controllers.conftest import BATCH, SITES, Stub, lda_answer, make
 
 LC = {"net": {"name": "lcfed", "channels": [4, 8, 8], "strides": [2, 2]}}
@@ -120,12 +119,3 @@ def test_a_resumed_run_equals_the_uninterrupted_run(case, tmp_path, monkeypatch)
     if case == "fedsm_batch":  # the state that a resume must carry is there to carry
         assert resumed.state.moments and resumed.state.best_selector["round"] >= 0
 
-
-def test_state_kept_outside_the_server_state_is_refused(tmp_path, monkeypatch):
-    ctrl = make("fedavg", tmp_path, monkeypatch)
-    with pytest.raises(AttributeError, match=r"no part 'momentum': declare it .*state\.add\('momentum'"):
-        ctrl.state.momentum = {}
-    state = ServerState(SITES)
-    with pytest.raises(ValueError, match="declared twice"):
-        state.add("history", [])
-        state.add("history", [])
