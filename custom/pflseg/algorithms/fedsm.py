@@ -160,9 +160,7 @@ def route(probs: torch.Tensor, gamma: float) -> torch.Tensor:
     Raises:
         ValueError: naming ``gamma`` or ``probs`` when out of range or of the wrong shape.
     """
-    gamma = float(gamma)
-    if not (0.0 <= gamma <= 1.0):
-        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    gamma = _check_gamma(gamma)
     _check_probs(probs)
     top, site = probs.detach().max(dim=1)
     return torch.where(top > gamma, site.to(torch.long), torch.full_like(site, GLOBAL, dtype=torch.long))
@@ -263,9 +261,7 @@ def mixing_weights(probs: torch.Tensor, gamma: float) -> torch.Tensor:
     Raises:
         ValueError: naming ``gamma`` or ``probs`` when out of range or of the wrong shape.
     """
-    gamma = float(gamma)
-    if not (0.0 <= gamma <= 1.0):
-        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    gamma = _check_gamma(gamma)
     _check_probs(probs)
     s = probs.detach().to(torch.float64)
     keep = s > gamma
@@ -316,6 +312,14 @@ def mix_probabilities(probabilities: torch.Tensor, weights: torch.Tensor) -> tor
         raise ValueError("weights: every row must be >= 0 and sum to 1")
     w = weights.to(probabilities.dtype).reshape(*weights.shape, *([1] * (probabilities.ndim - 2)))
     return (w * probabilities).sum(dim=1)
+
+
+def _check_gamma(gamma: float) -> float:
+    """``gamma`` as a float, refused (naming it) outside [0, 1]."""
+    gamma = float(gamma)
+    if not (0.0 <= gamma <= 1.0):
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    return gamma
 
 
 def _check_probs(probs: torch.Tensor) -> None:
