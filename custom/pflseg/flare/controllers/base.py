@@ -279,11 +279,16 @@ class RoundController(ModelController):
         network sized to the sites, no site left out yet, and the server state (``declare``: its parts, fresh), or, when
         resuming, that of the last completed round (``restore``). Returns the first round to run."""
         self.cfg, self.sites, self.store = cfg, sorted(sites), store
-        self.missing: dict[str, str] = {}
         self.size_net()
         self.state = ServerState(self.sites)
         self.declare(self.state)
         return self.restore()
+
+    @property
+    def missing(self) -> dict[str, str]:
+        """The sites left out of some round, each with the latest reason: a part of the server state, so that a
+        resumed run's results.json still names the sites left out before it stopped."""
+        return self.state.missing
 
     def flare_job_id(self) -> str | None:
         """The FLARE job's id (``simulate_job`` in the simulator); None outside FLARE (tests)."""
@@ -359,8 +364,10 @@ class RoundController(ModelController):
     def declare(self, state: ServerState) -> None:
         """The parts of the server state (``pflseg.flare.server_state``) with their fresh values: the round history,
         the best global model's record, each site's first accepted n_k (its later n_k may not exceed it), the global
-        model (guarded) and the best one. A method declares its own after ``super().declare(state)``."""
+        model (guarded) and the best one, the sites left out. A method declares its own after
+        ``super().declare(state)``."""
         state.add("history", [])
+        state.add("missing", {})
         state.add("best", {"round": -1, "score": -1.0})
         state.add("n_first", {})
         state.add("global_state", self.initial_state(), NET, GLOBAL, guarded=True)
@@ -598,8 +605,9 @@ class PostTrainingController(RoundController):
     def init_state(self, cfg: dict, sites: list[str], store: RoundStore) -> int:
         """A post-training job's state: the job config, the sites (sorted), the state folder; no rounds to restore."""
         self.cfg, self.sites, self.store = cfg, sorted(sites), store
-        self.missing, self.state = {}, ServerState(self.sites)
+        self.state = ServerState(self.sites)
         self.state.add("history", [])
+        self.state.add("missing", {})
         self.state.add("n_first", {})
         return 0
 

@@ -78,6 +78,9 @@ def test_missing_site_round_completes_with_min_clients(tmp_path, monkeypatch):
     Stub(ctrl, reply)
     ctrl.round(0)
     assert "site-3" in ctrl.missing
+    ctrl.store.save(0, ctrl.checkpoint(0))
+    resumed = make("fedavg", tmp_path, monkeypatch, resume=True)  # results.json names it after a resume too
+    assert resumed.missing == ctrl.missing and resumed.missing["site-3"].startswith("no result")
 
 
 def test_best_global_follows_weighted_validation(tmp_path, monkeypatch):
