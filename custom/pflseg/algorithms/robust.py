@@ -182,6 +182,10 @@ def clip_factors(norms: Sequence[float], ratio: float) -> tuple[list[float], lis
     return factors, ratios
 
 
+#: key endings of normalisation layers' running statistics (torch's BatchNorm / InstanceNorm buffers)
+NORM_STATISTICS = ("running_mean", "running_var")
+
+
 def clip_updates(bases: Sequence[State], states: Sequence[State], ratio: float,
                  keys: Sequence[str] | None = None) -> tuple[list[State], list[float], list[float]]:
     """Each state's update clipped at ``ratio`` times the median of the OTHER states' update norms.
@@ -189,7 +193,11 @@ def clip_updates(bases: Sequence[State], states: Sequence[State], ratio: float,
     The update of state k is ``states[k] - bases[k]`` over ``keys`` (default: every key) that are floating and
     in ``bases[k]`` with the same shape (other keys, integer counters included, are passed on unchanged); its
     norm is taken in float64 over all those keys together. Where it exceeds ``ratio * median_{j != k}`` (> 0),
-    the state becomes ``base + f * update`` with f = bound / norm, cast back to each key's dtype.
+    the state becomes ``base + f * update`` with f = bound / norm, cast back to each key's dtype, except its
+    normalisation statistics (``NORM_STATISTICS``: running means and variances), which keep the base's values: a
+    lying update scaled back is an extrapolation of the site's own change, and a variance extrapolated below its
+    base turns negative (one clipped 99x update at a demo site gave the global model negative running variances and
+    a validation Dice of 0 in the next round).
 
     Args:
         bases: K states the updates are taken from (what each site was sent), or one state for all.
@@ -220,6 +228,9 @@ def clip_updates(bases: Sequence[State], states: Sequence[State], ratio: float,
             continue
         new = dict(state)
         for key in ks:
+            if key.endswith(NORM_STATISTICS):
+                new[key] = base[key]
+                continue
             b = base[key].detach().to("cpu", torch.float64)
             new[key] = (b + f * (state[key].detach().to("cpu", torch.float64) - b)).to(state[key].dtype)
         out[i] = new

@@ -255,3 +255,18 @@ def test_only_sent_tensors_outside_the_skipped_prefixes_are_judged_one_by_one():
     # the moment, beyond 100 x (0.01 x the others' whole update)
     assert list(norm_outliers(answers, sent, 100)) == ["c"]
     assert norm_outliers(answers, sent, 100, skip=("moment.",)) == {}  # "stats" was not sent: whole update only
+
+
+def test_a_clipped_update_keeps_the_base_s_normalisation_statistics_so_no_variance_turns_negative():
+    from pflseg.algorithms.robust import clip_updates
+
+    base = {"conv.weight": torch.zeros(4), "bn.running_var": torch.ones(4), "bn.running_mean": torch.zeros(4)}
+    honest = [{"conv.weight": torch.full((4,), 0.1), "bn.running_var": torch.full((4,), 0.9),
+               "bn.running_mean": torch.full((4,), 0.1)} for _ in range(2)]
+    liar = {"conv.weight": torch.full((4,), 9.9), "bn.running_var": 1.0 + 99 * torch.full((4,), -0.1),
+            "bn.running_mean": torch.full((4,), 9.9)}
+    states, factors, _ = clip_updates(base, [*honest, liar], 3.0)
+    assert factors[2] < 1.0 and factors[:2] == [1.0, 1.0] and states[0] is honest[0]
+    assert torch.equal(states[2]["bn.running_var"], base["bn.running_var"])
+    assert torch.equal(states[2]["bn.running_mean"], base["bn.running_mean"])
+    assert 0.0 < float(states[2]["conv.weight"][0]) < 9.9  # the weights scaled back towards the base
