@@ -16,7 +16,7 @@ from nvflare.apis.signal import Signal
 from nvflare.app_common.abstract.fl_model import FLModel
 
 from pflseg.config import ConfigError, check_effective, load_job_config
-from pflseg.flare.controllers.base import check_update
+from pflseg.flare.checks import check_update
 from pflseg.flare.methods import METHODS
 from pflseg.flare.methods import method as registered
 from pflseg.flare.state import RoundStore, load_file, prefixed, save_file, state_dir, unprefixed

@@ -12,7 +12,8 @@ from nvflare.app_common.filters import ExcludeVars, PercentilePrivacy
 from nvflare.app_common.utils.fl_model_utils import FLModelUtils
 
 from pflseg.config import ConfigError
-from pflseg.flare.controllers.base import add_diff, check_update
+from pflseg.flare.checks import check_update
+from pflseg.flare.controllers.base import add_diff
 from pflseg.flare.jobs import export_job
 from pflseg.flare.state import prefixed, unprefixed
 from tests.unit.flare.controllers.conftest import Stub, make, scaled

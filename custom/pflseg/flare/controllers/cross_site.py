@@ -32,7 +32,8 @@ import json
 from pathlib import Path
 
 from pflseg.config import check_effective
-from pflseg.flare.controllers.base import PostTrainingController, check_update
+from pflseg.flare.checks import check_update
+from pflseg.flare.controllers.base import PostTrainingController
 from pflseg.flare.state import RoundStore, private_dir, write_text
 from pflseg.flare.wire import BEST, BEST_PERSON, GLOBAL, PERSON, SITE, prefixed, unprefixed
 from pflseg.markdown import markdown_table

@@ -48,8 +48,9 @@ from pflseg.algorithms.robust import bound_moments, check_moments, clip_statisti
 from pflseg.algorithms.softpull import check_lam, softpull
 from pflseg.config import ConfigError, check_choice, check_lr
 from pflseg.flare import guard
+from pflseg.flare.checks import is_number
 from pflseg.flare.columns import Score, score
-from pflseg.flare.controllers.base import PostTrainingController, RoundController, RoundOutput, is_number
+from pflseg.flare.controllers.base import PostTrainingController, RoundController, RoundOutput
 from pflseg.flare.server_state import BY_SITE, NET, ServerState
 from pflseg.flare.state import RoundStore
 from pflseg.flare.wire import (

@@ -7,7 +7,8 @@ import torch
 from nvflare.app_common.abstract.fl_model import FLModel
 
 from pflseg.config import load_job_config
-from pflseg.flare.controllers.base import Answers, RoundError, RoundOutput, check_update
+from pflseg.flare.checks import check_update
+from pflseg.flare.controllers.base import Answers, RoundError, RoundOutput
 from pflseg.flare.methods import METHODS
 from pflseg.flare.state import RoundStore
 from pflseg.flare.wire import GLOBAL, prefixed, unprefixed
