@@ -83,6 +83,16 @@ def cpu_state(model: torch.nn.Module) -> dict:
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
+def trained_metrics(scores: dict, stats: dict, own: dict | None = None, extra: dict | None = None) -> dict:
+    """A training round's metrics as every method's site reports them (``Step.metrics``; the server keeps them as
+    the round's ``site_metrics`` in results.json's history, and ``round_metrics.jsonl`` lists them in this order):
+    ``scores`` (the round's validation Dice, ``val_dice`` of the received model first), ``train_loss`` (the loop's
+    mean loss, from its ``stats``), the method's ``own`` numbers of training, ``n_samples`` and ``steps`` (the
+    loop's), then ``extra`` (numbers measured after training)."""
+    return {**scores, "train_loss": stats["loss"], **(own or {}), "n_samples": stats["samples"],
+            "steps": stats["steps"], **(extra or {})}
+
+
 class Step(NamedTuple):
     """What a method's round step hands the skeleton (``Site.run_round``)."""
 
@@ -390,8 +400,8 @@ class Site:
         trained = cpu_state(model)
         kept = prefixed("disc", cpu_state(extra)) if extra is not None else {}
         after = self.score_after(model, r)
-        metrics = {"val_dice": before["dice"], "val_dice_local": after["dice"], "train_loss": stats["loss"],
-                   "n_samples": stats["samples"], "steps": stats["steps"], **self.round_metrics()}
+        metrics = trained_metrics({"val_dice": before["dice"], "val_dice_local": after["dice"]}, stats,
+                                  extra=self.round_metrics())
         return Step(self.upload(trained), {"optim.model": optim, **prefixed("model", trained), **kept}, metrics,
                     stats["samples"])
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from nvflare.app_common.abstract.fl_model import FLModel
 
 from pflseg.algorithms.fedprox import proximal_term
-from pflseg.flare.sites.base import Site, Step, cpu_state
+from pflseg.flare.sites.base import Site, Step, cpu_state, trained_metrics
 from pflseg.flare.wire import PERSON, prefixed, unprefixed
 from pflseg.nets import build_net
 from pflseg.train import Hooks, derive_seed, seed_everything
@@ -52,8 +52,8 @@ class DittoSite(Site):
             seed_everything(person_seed)
             person_stats, person_optim = self.fit(self.person, PERSON, prev, person_seed, hooks)
         val_person = self.track(self.person, r + 1)  # best.pt: the best v_k (v_k after round r + 1)
-        metrics = {"val_dice": val_global["dice"], "val_dice_person": val_person["dice"], "train_loss": stats["loss"],
-                   "person_loss": person_stats["loss"], "n_samples": stats["samples"], "steps": stats["steps"]}
+        metrics = trained_metrics({"val_dice": val_global["dice"], "val_dice_person": val_person["dice"]}, stats,
+                                  {"person_loss": person_stats["loss"]})
         keep = {"optim.model": optim, f"optim.{PERSON}": person_optim, **prefixed(PERSON, cpu_state(self.person))}
         return Step(self.upload(cpu_state(model)), keep, metrics, stats["samples"])
 

@@ -53,7 +53,7 @@ from pflseg.algorithms.fedsm import (
 )
 from pflseg.data import load_dataset_info
 from pflseg.flare.outbox import Outgoing
-from pflseg.flare.sites.base import Site, Step, cpu_state
+from pflseg.flare.sites.base import Site, Step, cpu_state, trained_metrics
 from pflseg.flare.state import prefixed, unprefixed
 from pflseg.infer.fedsm import evaluate_super_model
 from pflseg.nets import build_net
@@ -107,8 +107,8 @@ class FedSMSite(Site):
             scored = self.score_selector(selector, labels_of)  # before it is fitted on: the received one
             sel_params, sel_metrics = self.fit_selector(selector, labels_of, received, seed)
         send = {**prefixed("global", cpu_state(glob)), **prefixed("person", cpu_state(person)), **sel_params}
-        metrics = {"val_dice": val_g["dice"], "val_dice_person": val_p["dice"], "train_loss": stats["loss"],
-                   **scored, **sel_metrics, "n_samples": stats["samples"], "steps": stats["steps"]}
+        metrics = trained_metrics({"val_dice": val_g["dice"], "val_dice_person": val_p["dice"]}, stats,
+                                  {**scored, **sel_metrics})
         return Step(send, {"optim.global": optim_g, "optim.person": optim_p}, metrics, stats["samples"])
 
     def autocast_dtype(self) -> torch.dtype | None:

@@ -26,7 +26,7 @@ from pflseg.data import load_dataset_info, site_dataset
 from pflseg.flare.outbox import Outgoing
 from pflseg.flare.policy import check_publish
 from pflseg.flare.settings import site_settings
-from pflseg.flare.sites.base import Site, Step, cpu_state
+from pflseg.flare.sites.base import Site, Step, cpu_state, trained_metrics
 from pflseg.flare.state import load_file, prefixed, unprefixed
 from pflseg.infer.routing import route_site
 from pflseg.nets import build_net
@@ -63,10 +63,9 @@ class IOPFLSite(Site):
         net = build_net(cfg["net"])
         net.load_state_dict(person)
         val_p = self.track(net, r + 1)  # best.pt = the best P_k by validation Dice (P_k after round r + 1)
-        metrics = {"val_dice": val_g["dice"], "val_dice_person": val_p["dice"], "train_loss": stats["loss"],
-                   "n_samples": stats["samples"], "steps": stats["steps"]}
-        if round_test:
-            metrics.update(test_dice_global=test_g["dice"], test_dice_person=self.evaluate(net, "testing")["dice"])
+        tested = ({"test_dice_global": test_g["dice"], "test_dice_person": self.evaluate(net, "testing")["dice"]}
+                  if round_test else None)
+        metrics = trained_metrics({"val_dice": val_g["dice"], "val_dice_person": val_p["dice"]}, stats, extra=tested)
         keep = {"optim.model": optim, **prefixed("person", person), **prefixed("globalin", glob)}
         return Step(prefixed("global", local), keep, metrics, stats["samples"])
 

@@ -26,7 +26,7 @@ from nvflare.app_common.abstract.fl_model import FLModel
 
 from pflseg.algorithms.lcfed import SitePredictor, exchanges_heads, lcfed_step, set_phase
 from pflseg.flare.outbox import Outgoing
-from pflseg.flare.sites.base import Site, Step, cpu_state
+from pflseg.flare.sites.base import Site, Step, cpu_state, trained_metrics
 from pflseg.flare.state import load_file, prefixed, unprefixed
 from pflseg.nets.lcfed import shared_keys
 from pflseg.train import Hooks
@@ -128,8 +128,7 @@ class LCFedSite(Site):
         if exchanges_heads(self.step_cfg):  # the other sites' disagreement maps need this site's coarse head
             send.update(prefixed("head", cpu_state(net.head)))
         after = self.track(model, r + 1)  # the personalized model: after local training (of round r + 1)
-        metrics = {"val_dice": val["dice"], "val_dice_local": after["dice"], "train_loss": stats["loss"],
-                   "n_samples": stats["samples"], "steps": stats["steps"]}
+        metrics = trained_metrics({"val_dice": val["dice"], "val_dice_local": after["dice"]}, stats)
         return Step(send, {"optim.model": optim, **prefixed("model", trained)}, metrics, stats["samples"])
 
     def test(self, msg: FLModel) -> Outgoing:

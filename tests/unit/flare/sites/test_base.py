@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pflseg.flare.methods import METHODS
-from pflseg.flare.sites.base import Site, Step
+from pflseg.flare.sites.base import Site, Step, trained_metrics
 from pflseg.flare.sites.fedsm import FedSMInferenceSite
 from pflseg.flare.sites.iopfl import IOPFLRoutingSite
 
@@ -31,6 +31,20 @@ def test_only_the_sites_one_exit_makes_a_reply():
     assert [p.name for p in folder.glob("*.py") if "FLModel(" in p.read_text()] == []
     assert "FLModel(" not in Path(client.__file__).read_text() and "FLModel(" not in Path(executor.__file__).read_text()
     assert "FLModel(" in Path(outbox.__file__).read_text()
+
+
+def test_one_builder_makes_a_training_rounds_metrics_in_one_key_order():
+    """Issue 40 item 4: every method's training round reports its metrics through ``trained_metrics`` (the order is
+    round_metrics.jsonl's); no other site module spells the loop's entries."""
+    import pflseg.flare.sites as sites_package
+
+    stats = {"loss": 0.5, "samples": 8, "steps": 2}
+    got = trained_metrics({"val_dice": 0.1, "val_dice_person": 0.2}, stats, {"person_loss": 0.4}, {"test_dice": 0.3})
+    assert list(got.items()) == [("val_dice", 0.1), ("val_dice_person", 0.2), ("train_loss", 0.5),
+                                 ("person_loss", 0.4), ("n_samples", 8), ("steps", 2), ("test_dice", 0.3)]
+    assert list(trained_metrics({"val_dice": 0.1}, stats)) == ["val_dice", "train_loss", "n_samples", "steps"]
+    folder = Path(sites_package.__file__).parent
+    assert [p.name for p in sorted(folder.glob("*.py")) if '"train_loss"' in p.read_text()] == ["base.py"]
 
 
 def test_run_round_saves_what_the_step_keeps_and_times_only_its_training(federation):
