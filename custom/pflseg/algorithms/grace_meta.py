@@ -54,7 +54,7 @@ Pure torch, no I/O; the server side is in grace.py, the alignment losses in alig
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import cast
 
 import torch
@@ -142,6 +142,31 @@ def _param_groups(optimizer: torch.optim.Optimizer) -> dict[int, dict]:
     return {id(p): group for group in optimizer.param_groups for p in group["params"]}
 
 
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    """Raise ValueError naming ``name`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _check_rate(name: str, value: float) -> None:
+    """Raise ValueError naming ``name`` unless ``value`` is finite and >= 0 (NaN fails)."""
+    if not (value >= 0 and value != float("inf")):
+        raise ValueError(f"{name} must be finite and >= 0, got {value}")
+
+
+def _copy_back(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each saved tensor of ``(live, saved)`` pairs back into its live tensor, outside autograd."""
+    with torch.no_grad():
+        for live, saved in pairs:
+            live.copy_(saved)
+
+
+@torch.no_grad()
+def _sq_distance(params: Sequence[torch.Tensor], theta: Sequence[torch.Tensor]) -> float:
+    """||params - theta||^2 over all tensors, summed in float64."""
+    return float(sum((p - t).double().pow(2).sum() for p, t in zip(params, theta)))
+
+
 def inner_update(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor | None],
@@ -162,8 +187,7 @@ def inner_update(
     Returns:
         Per tensor, the displacement (same shape as the parameter) or None.
     """
-    if inner not in INNER_STEPS:
-        raise ValueError(f"inner must be one of {', '.join(INNER_STEPS)}, got {inner!r}")
+    _check_choice("inner", inner, INNER_STEPS)
     groups = _param_groups(optimizer) if inner == "adam" else {}
     out: list[torch.Tensor | None] = []
     for p, g in zip(params, grads):
@@ -219,12 +243,68 @@ def frozen_features(
         with torch.no_grad():
             features, _ = feature_fn(global_model, images)
     finally:
-        with torch.no_grad():
-            for buf, saved in saved_buffers:
-                buf.copy_(saved)
+        _copy_back(saved_buffers)
         for m, mode in saved_modes:
             m.training = mode
     return features.detach()
+
+
+def _task_grads(
+    model: nn.Module,
+    b1: dict,
+    params: Sequence[torch.Tensor],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> Sequence[torch.Tensor | None]:
+    """The meta-train gradient g = grad L_task(theta; B1), None where unused; a non-finite loss raises."""
+    inner_loss = loss_fn(model(b1["image"]), b1["label"])
+    if not torch.isfinite(inner_loss):
+        raise FloatingPointError(f"meta-train loss became {inner_loss.item()}; lower train.lr or inner_lr")
+    return torch.autograd.grad(inner_loss, params, allow_unused=True)
+
+
+def _meta_test_loss(
+    model: nn.Module,
+    b2: dict,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    beta: float,
+    align_fn: AlignFn | None,
+    global_model: nn.Module | None,
+    feature_fn: FeatureFn | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(L_meta, L_task, L_align or None at beta = 0) on B2 at the current parameters; a non-finite L_meta raises."""
+    align = None
+    if beta > 0:  # then align_fn, global_model and feature_fn are given (checked on entry)
+        features_of = cast(FeatureFn, feature_fn)
+        global_features = frozen_features(cast(nn.Module, global_model), model, features_of, b2["image"])
+        features, logits = features_of(model, b2["image"])
+        task = loss_fn(logits, b2["label"])
+        align = cast(AlignFn, align_fn)(features, global_features)
+        loss = task + beta * align
+    else:
+        task = loss = loss_fn(model(b2["image"]), b2["label"])
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"meta-test loss became {loss.item()}; lower train.lr, inner_lr or beta")
+    return loss, task, align
+
+
+def _add_grads(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """Add ``grads`` into the parameters' ``.grad`` (a copy where there is none yet); None adds nothing."""
+    with torch.no_grad():
+        for p, g in zip(params, grads):
+            if g is not None:
+                p.grad = g.clone() if p.grad is None else p.grad.add_(g)
+
+
+def _add_record(
+    record: dict, inner_norm: float, outer_norm: float, task: torch.Tensor, align: torch.Tensor | None
+) -> None:
+    """Add one step's inner / outer step lengths and loss terms to ``record``'s sums (``meta_step``'s ``record``)."""
+    record["inner_norm_sum"] = record.get("inner_norm_sum", 0.0) + inner_norm
+    record["outer_norm_sum"] = record.get("outer_norm_sum", 0.0) + outer_norm
+    record["inner_steps"] = record.get("inner_steps", 0) + 1
+    record["task_loss_sum"] = record.get("task_loss_sum", 0.0) + float(task.detach())
+    if align is not None:
+        record["align_loss_sum"] = record.get("align_loss_sum", 0.0) + float(align.detach())
 
 
 def meta_step(
@@ -277,14 +357,10 @@ def meta_step(
     Returns:
         L_meta at theta' as a float.
     """
-    if not (inner_lr >= 0 and inner_lr != float("inf")):
-        raise ValueError(f"inner_lr must be finite and >= 0, got {inner_lr}")
-    if not (beta >= 0 and beta != float("inf")):
-        raise ValueError(f"beta must be finite and >= 0, got {beta}")
-    if inner not in INNER_STEPS:
-        raise ValueError(f"inner must be one of {', '.join(INNER_STEPS)}, got {inner!r}")
-    if meta_grad not in META_GRADS:
-        raise ValueError(f"meta_grad must be one of {', '.join(META_GRADS)}, got {meta_grad!r}")
+    _check_rate("inner_lr", inner_lr)
+    _check_rate("beta", beta)
+    _check_choice("inner", inner, INNER_STEPS)
+    _check_choice("meta_grad", meta_grad, META_GRADS)
     if beta > 0:
         for name, value in (("align_fn", align_fn), ("global_model", global_model), ("feature_fn", feature_fn)):
             if value is None:
@@ -298,55 +374,26 @@ def meta_step(
     try:
         grads: Sequence[torch.Tensor | None] = ()
         if inner_lr > 0 or meta_grad == "both":  # g = grad L_task(theta; B1); theta' = theta + inner_update(g)
-            inner_loss = loss_fn(model(b1["image"]), b1["label"])
-            if not torch.isfinite(inner_loss):
-                raise FloatingPointError(f"meta-train loss became {inner_loss.item()}; lower train.lr or inner_lr")
-            grads = torch.autograd.grad(inner_loss, params, allow_unused=True)
+            grads = _task_grads(model, b1, params, loss_fn)
             with torch.no_grad():
                 if inner_lr > 0:
                     for p, delta in zip(params, inner_update(params, grads, optimizer, inner_lr, inner)):
                         if delta is not None:
                             p.add_(delta)
-                for buf, saved in buffers:  # only the meta-test forward updates running statistics
-                    buf.copy_(saved)
-                inner_sq = float(sum((p - t).double().pow(2).sum() for p, t in zip(params, theta)))
+                _copy_back(buffers)  # only the meta-test forward updates running statistics
+                inner_sq = _sq_distance(params, theta)
 
         optimizer.zero_grad(set_to_none=True)
-        align = None
-        if beta > 0:  # then align_fn, global_model and feature_fn are given (checked on entry)
-            features_of = cast(FeatureFn, feature_fn)
-            global_features = frozen_features(cast(nn.Module, global_model), model, features_of, b2["image"])
-            features, logits = features_of(model, b2["image"])
-            task = loss_fn(logits, b2["label"])
-            align = cast(AlignFn, align_fn)(features, global_features)
-            loss = task + beta * align
-        else:
-            task = loss = loss_fn(model(b2["image"]), b2["label"])
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"meta-test loss became {loss.item()}; lower train.lr, inner_lr or beta")
+        loss, task, align = _meta_test_loss(model, b2, loss_fn, beta, align_fn, global_model, feature_fn)
         loss.backward()  # gradient of L_meta at theta'
         if meta_grad == "both":  # + the meta-train gradient taken at theta
-            with torch.no_grad():
-                for p, g in zip(params, grads):
-                    if g is not None:
-                        p.grad = g.clone() if p.grad is None else p.grad.add_(g)
+            _add_grads(params, grads)
     except BaseException:
-        with torch.no_grad():
-            for buf, saved in buffers:
-                buf.copy_(saved)
+        _copy_back(buffers)
         raise
     finally:
-        with torch.no_grad():  # back to theta; the gradients taken at theta' stay in .grad
-            for p, saved in zip(params, theta):
-                p.copy_(saved)
+        _copy_back(zip(params, theta))  # back to theta; the gradients taken at theta' stay in .grad
     optimizer.step()
     if record is not None:
-        with torch.no_grad():
-            outer_sq = float(sum((p - t).double().pow(2).sum() for p, t in zip(params, theta)))
-        record["inner_norm_sum"] = record.get("inner_norm_sum", 0.0) + inner_sq**0.5
-        record["outer_norm_sum"] = record.get("outer_norm_sum", 0.0) + outer_sq**0.5
-        record["inner_steps"] = record.get("inner_steps", 0) + 1
-        record["task_loss_sum"] = record.get("task_loss_sum", 0.0) + float(task.detach())
-        if align is not None:
-            record["align_loss_sum"] = record.get("align_loss_sum", 0.0) + float(align.detach())
+        _add_record(record, inner_sq**0.5, _sq_distance(params, theta) ** 0.5, task, align)
     return float(loss.detach())
