@@ -159,29 +159,13 @@ def evaluate_super_model(
             ``familiar_tau`` without ``familiarity`` or not a number >= 0, an unknown ``mixing``.
     """
     num_sites = len(personalized)
-    if num_sites < 1:
-        raise ValueError("personalized: need at least one personalized model")
-    if len(dataset) == 0:
-        raise ValueError("dataset: empty dataset, nothing to evaluate")
-    if own_index is not None and (isinstance(own_index, bool) or not isinstance(own_index, int)
-                                  or not 0 <= own_index < num_sites):
-        raise ValueError(f"own_index must be None or an int in [0, {num_sites}), got {own_index!r}")
-    if mixing not in MIXINGS:
-        raise ValueError(f"mixing={mixing!r}: expected one of {MIXINGS} (fedsm.mixing)")
-    if label_encoding not in ("nested", "exclusive"):
-        raise ValueError(f"label_encoding={label_encoding!r}: expected 'nested' or 'exclusive'")
-    if not (float(temperature) > 0.0 and float(temperature) != float("inf")):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    _check_arguments(num_sites, len(dataset), own_index, mixing, label_encoding, temperature)
     routes = [EXTRA] if extra else [_gamma_key(g, "gammas") for g in gammas]
     if not routes:
         raise ValueError("gammas: need at least one gamma (or extra=True)")
     save_route = EXTRA if extra else _gamma_key(save_gamma, "save_gamma")
     all_routes = routes + ([save_route] if out_dir is not None and save_route not in routes else [])
-    if familiar_tau is not None:
-        if familiarity is None:
-            raise ValueError("familiar_tau: the fallback needs familiarity (the selector's class means and precision)")
-        if isinstance(familiar_tau, bool) or not float(familiar_tau) >= 0.0:
-            raise ValueError(f"familiar_tau must be a number >= 0, got {familiar_tau!r}")
+    _check_fallback(familiarity, familiar_tau)
 
     device = torch.device(device)
     dtype = amp_dtype(amp, device)
@@ -203,56 +187,17 @@ def evaluate_super_model(
             seen = selector_view(images, intensity.to(device) if intensity is not None else None, selector_input)
             weights = _weights_batch(amp_forward(selector, seen, dtype) / float(temperature), all_routes, num_sites,
                                      extra, mixing)
-            d2 = (min_mahalanobis(amp_forward(selector.embed, seen, dtype), familiarity["mean"],
-                                  familiarity["precision"]).tolist()
-                  if familiarity is not None else [None] * n)
+            d2 = _distances(selector, seen, dtype, familiarity, n)
             if familiar_tau is not None:  # unfamiliar images: the global model, whatever the selector says
-                far = torch.tensor([v > float(familiar_tau) for v in d2])[:, None]
-                alone = hard_weights(torch.full((n,), GLOBAL), num_sites)
-                weights = {**{f"{r}{_RAW}": w for r, w in weights.items()},
-                           **{r: torch.where(far, alone, w) for r, w in weights.items()}}
+                weights = _fall_back(weights, d2, float(familiar_tau), num_sites)
             choices = ({r: [int(c) for c in w.argmax(dim=1) - 1] for r, w in weights.items()} if mixing == "hard"
                        else {r: [r] * n for r in weights})
-            needed: list[set] = [set() for _ in range(n)]  # prediction keys sample i must keep
-            for i in range(n):
-                if has_label[i]:
-                    needed[i].add(_G)
-                    needed[i].update(c[i] for c in choices.values())  # every route, with and without fallback
-                    if own_index is not None:
-                        needed[i].add(own_index)
-                if out_dir is not None:
-                    needed[i].add(choices[save_route][i])
-            keys = set().union(*needed)
-            mixed = sorted(k for k in keys if isinstance(k, str))  # soft routes some sample needs
-            preds = {}
-            probs = {}
-            for key in sorted(set(models) if mixed else keys):  # only models some sample of the batch needs
-                probs[key] = torch.sigmoid(amp_forward(models[key], images, dtype)).cpu()
-                preds[key] = probs[key] > 0.5
-            if mixed:
-                stacked = torch.stack([probs[k] for k in (_G, *range(num_sites))], dim=1)  # (B, K+1, C, H, W)
-                for r in mixed:
-                    preds[r] = mix_probabilities(stacked, weights[r]) > 0.5
-            sites = batch.get("site", [""] * n)
-            for i in range(n):
-                samples.append({
-                    "case": (str(sites[i]), str(batch["case"][i])),
-                    "slice": int(batch["slice"][i]),
-                    "has_label": has_label[i],
-                    "preds": {k: preds[k][i] for k in needed[i]},
-                    "label": batch["label"][i] > 0.5 if has_label[i] else None,
-                    "choice": {r: c[i] for r, c in choices.items()},
-                    "weight": {r: w[i] for r, w in weights.items()},
-                    "d2": d2[i],
-                })
+            needed = _needed(has_label, choices, own_index, save_route if out_dir is not None else None)
+            preds = _predictions(models, images, dtype, set().union(*needed), weights, num_sites)
+            samples += _batch_samples(batch, has_label, needed, preds, choices, weights, d2)
     progress.done()
 
-    by_case: dict[tuple[str, str], list[dict]] = defaultdict(list)
-    for s in samples:
-        by_case[s["case"]].append(s)
-    for items in by_case.values():
-        items.sort(key=lambda s: s["slice"])
-
+    by_case = _by_case(samples)
     names = case_names(list(by_case))
     result = {
         "n_images": len(samples),
@@ -283,6 +228,34 @@ def evaluate_super_model(
 # ---------------------------------------------------------------------------------------------------
 
 
+def _check_arguments(num_sites: int, n_samples: int, own_index, mixing: str, label_encoding: str,
+                     temperature: float) -> None:
+    """Refuses, naming the argument, what ``evaluate_super_model`` cannot score (before any gamma)."""
+    if num_sites < 1:
+        raise ValueError("personalized: need at least one personalized model")
+    if n_samples == 0:
+        raise ValueError("dataset: empty dataset, nothing to evaluate")
+    if own_index is not None and (isinstance(own_index, bool) or not isinstance(own_index, int)
+                                  or not 0 <= own_index < num_sites):
+        raise ValueError(f"own_index must be None or an int in [0, {num_sites}), got {own_index!r}")
+    if mixing not in MIXINGS:
+        raise ValueError(f"mixing={mixing!r}: expected one of {MIXINGS} (fedsm.mixing)")
+    if label_encoding not in ("nested", "exclusive"):
+        raise ValueError(f"label_encoding={label_encoding!r}: expected 'nested' or 'exclusive'")
+    if not (float(temperature) > 0.0 and float(temperature) != float("inf")):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+
+
+def _check_fallback(familiarity: dict | None, familiar_tau: float | None) -> None:
+    """Refuses a familiarity fallback without the selector's Gaussians or with a tau that is not a number >= 0."""
+    if familiar_tau is None:
+        return
+    if familiarity is None:
+        raise ValueError("familiar_tau: the fallback needs familiarity (the selector's class means and precision)")
+    if isinstance(familiar_tau, bool) or not float(familiar_tau) >= 0.0:
+        raise ValueError(f"familiar_tau must be a number >= 0, got {familiar_tau!r}")
+
+
 def _gamma_key(gamma, name: str) -> str:
     g = float(gamma)
     if not 0.0 <= g <= 1.0:
@@ -305,6 +278,80 @@ def _weights_batch(logits: torch.Tensor, route_keys: Sequence[str], num_sites: i
     if mixing == "hard":
         return {r: hard_weights(route(probs, float(r)), num_sites) for r in route_keys}
     return {r: mixing_weights(probs, float(r)) for r in route_keys}
+
+
+def _distances(selector: nn.Module, seen: torch.Tensor, dtype, familiarity: dict | None, n: int) -> list:
+    """Every image's d2_min to the selector's class Gaussians (``min_mahalanobis``); None each without them."""
+    if familiarity is None:
+        return [None] * n
+    return min_mahalanobis(amp_forward(selector.embed, seen, dtype), familiarity["mean"],
+                           familiarity["precision"]).tolist()
+
+
+def _fall_back(weights: dict, d2: list, tau: float, num_sites: int) -> dict:
+    """The routes' weights with every image farther than tau on the global model alone; the selector's own under
+    ``<route>:raw``."""
+    far = torch.tensor([v > tau for v in d2])[:, None]
+    alone = hard_weights(torch.full((len(d2),), GLOBAL), num_sites)
+    return {**{f"{r}{_RAW}": w for r, w in weights.items()},
+            **{r: torch.where(far, alone, w) for r, w in weights.items()}}
+
+
+def _needed(has_label: list[bool], choices: dict, own_index: int | None, save_route: str | None) -> list[set]:
+    """Per image of a batch, the prediction keys it must keep: for Dice (labelled: the global, every route's
+    choice, the own model) and for the written prediction (``save_route``; None: nothing written)."""
+    needed: list[set] = [set() for _ in has_label]
+    for i, labelled in enumerate(has_label):
+        if labelled:
+            needed[i].add(_G)
+            needed[i].update(c[i] for c in choices.values())  # every route, with and without fallback
+            if own_index is not None:
+                needed[i].add(own_index)
+        if save_route is not None:
+            needed[i].add(choices[save_route][i])
+    return needed
+
+
+def _predictions(models: dict, images: torch.Tensor, dtype, keys: set, weights: dict, num_sites: int) -> dict:
+    """A batch's ``sigmoid > 0.5`` predictions under the given keys: a model's (key k) or a soft route's mix (key
+    r, which needs every model's probabilities); only the models the keys need run."""
+    mixed = sorted(k for k in keys if isinstance(k, str))  # soft routes some sample needs
+    preds = {}
+    probs = {}
+    for key in sorted(set(models) if mixed else keys):  # only models some sample of the batch needs
+        probs[key] = torch.sigmoid(amp_forward(models[key], images, dtype)).cpu()
+        preds[key] = probs[key] > 0.5
+    if mixed:
+        stacked = torch.stack([probs[k] for k in (_G, *range(num_sites))], dim=1)  # (B, K+1, C, H, W)
+        for r in mixed:
+            preds[r] = mix_probabilities(stacked, weights[r]) > 0.5
+    return preds
+
+
+def _batch_samples(batch: dict, has_label: list[bool], needed: list[set], preds: dict, choices: dict,
+                   weights: dict, d2: list) -> list[dict]:
+    """One per-sample record (see ``evaluate_super_model``) for every image of a batch."""
+    sites = batch.get("site", [""] * len(has_label))
+    return [{
+        "case": (str(sites[i]), str(batch["case"][i])),
+        "slice": int(batch["slice"][i]),
+        "has_label": has_label[i],
+        "preds": {k: preds[k][i] for k in needed[i]},
+        "label": batch["label"][i] > 0.5 if has_label[i] else None,
+        "choice": {r: c[i] for r, c in choices.items()},
+        "weight": {r: w[i] for r, w in weights.items()},
+        "d2": d2[i],
+    } for i in range(len(has_label))]
+
+
+def _by_case(samples: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """Samples grouped by (site, case) in order of first appearance, each case's in slice order."""
+    by_case: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for s in samples:
+        by_case[s["case"]].append(s)
+    for items in by_case.values():
+        items.sort(key=lambda s: s["slice"])
+    return by_case
 
 
 def _super_entry(by_case: dict, names: dict, samples: list[dict], route_key: str, num_sites: int) -> dict:
