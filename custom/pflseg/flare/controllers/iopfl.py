@@ -203,4 +203,33 @@ def route_table(results: Mapping) -> str:
                                     "w_g" if inside else ""))
     legend = [f"- {route_label(m)}: {ROUTE_COMPARATORS.get(m, (None, ''))[1] or m}"
               + (f" [{_NORM_WORDS[ROUTE_NORM[m]]}]" if ROUTE_NORM.get(m) in _NORM_WORDS else "") for m in methods]
-    return "\n".join([head, "", table, "", *legend])
+    return "\n".join([head, "", table, "", *legend, *route_diagnostics(rows)])
+
+
+def route_diagnostics(rows: Mapping) -> list[str]:
+    """Markdown lines: per outside site and routing variant, what the adaptation did (learning rate, steps, the
+    unsupervised loss and the predicted foreground fraction from start to end against the size prior, the
+    routers' mean movement from their start, refused or not), and each expert's Dice there (scoring only: read
+    from the site's labels after routing, never used by it). Empty for results without diagnostics."""
+    lines, experts = [], []
+    for site, r in sorted(rows.items()):
+        diag, coefs = r.get("diagnostics") or {}, r.get("coefficients") or {}
+        prior = ", ".join(f"{p:.4f}" for p in (diag.get("settings") or {}).get("prior") or []) or "-"
+        for variant, a in (diag.get("adaptation") or {}).items():
+            moved = (coefs.get(variant) or {}).get("movement_mean")
+            lines.append([site, route_label(variant), f"{a['lr']:g}", str(a["steps"]),
+                          f"{a['start_loss']:.4g} -> {a['final_loss']:.4g}",
+                          f"{a['start_foreground']:.4f} -> {a['foreground']:.4f}", prior,
+                          "-" if moved is None else f"{moved:.4f}", "yes" if a["refused"] else "no"])
+        if "experts" in diag:
+            e = diag["experts"]
+            experts.append(f"- {site}: " + ", ".join(f"{n} {d:.4f} / {b:.4f}" for n, d, b in
+                                                      zip(e["names"], e["dice"], e["dice_bn"])))
+    if not lines:
+        return []
+    table = markdown_table(["outside site", "routing variant", "lr", "steps", "loss start -> end",
+                            "foreground start -> end", "size prior", "router movement", "refused"], lines)
+    return ["", "Routing diagnostics (foreground: predicted foreground fraction of the test images; router movement: "
+            "mean |coefficient - start| over layers):", "", table,
+            *(["", "Each expert's test Dice there, running / test-batch statistics (scoring only):", *experts]
+              if experts else [])]
