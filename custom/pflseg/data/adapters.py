@@ -90,17 +90,7 @@ def index_report(
             different channel counts, or masks whose encoding is ambiguous (each names the file,
             the values seen and the option to use).
     """
-    if layout not in LAYOUTS:
-        raise DataError(f"unknown layout {layout!r}. Fix: use one of {', '.join(LAYOUTS)}")
-    if layout != "generic" and (classes is not None or mask_threshold is not None):
-        raise DataError(f"--classes and --mask-threshold apply to --layout generic; layout {layout!r} "
-                        "knows its masks. Fix: drop them, or use --layout generic")
-    if classes is not None and (not classes or not all(isinstance(c, str) and c.strip() for c in classes)):
-        raise DataError(f"classes={classes!r}: need one non-empty name per class. Fix: e.g. --classes disc,cup")
-    if mask_threshold is not None and classes is not None and len(classes) > 1:
-        raise DataError(f"--mask-threshold makes every mask binary (one class), but --classes names {len(classes)} "
-                        f"classes ({','.join(classes)}). Fix: pass one class name, or drop --mask-threshold for "
-                        "labelled masks")
+    _check_options(layout, classes, mask_threshold)
     root = Path(os.path.abspath(root))
     if not root.is_dir():
         raise DataError(f"{root}: data folder not found. Fix: pass the folder that holds the site folders")
@@ -134,11 +124,7 @@ def index_report(
     if layout == "generic":
         meta.update(_generic_meta(sites, scans, classes))
     splits = {site: _assign_splits(site, records, seed, val_fraction, test_fraction) for site, records in sites.items()}
-    for site, entries in splits.items():  # a training site needs every split; an outside site only its images
-        if any("label" in r for r in sites[site]):
-            cases = len({r["case"] for r in sites[site]})
-            notes[site] += [f"warning: {_rule(empty_split(site, root / site, split, cases))}"  # data check's words
-                            for split in ("validation", "testing") if not entries.get(split)]
+    _note_empty_splits(sites, splits, root, notes)
     claim_out(out, name=meta["name"], layout=layout, writes=list(sites))
     summaries = []
     for site, records in sites.items():
@@ -151,6 +137,32 @@ def index_report(
     write_dataset_json(out, sites=list(sites), layout=layout, train_size=train_size, **meta)
     info = dict(meta, sites=list(sites), layout=layout, train_size=train_size)
     return IndexReport(root=root, out=out, layout=layout, info=info, sites=summaries, ignored=ignored)
+
+
+def _check_options(layout: str, classes: list[str] | None, mask_threshold: float | None) -> None:
+    """Refuses an unknown layout and class / threshold options that the layout or each other rule out."""
+    if layout not in LAYOUTS:
+        raise DataError(f"unknown layout {layout!r}. Fix: use one of {', '.join(LAYOUTS)}")
+    if layout != "generic" and (classes is not None or mask_threshold is not None):
+        raise DataError(f"--classes and --mask-threshold apply to --layout generic; layout {layout!r} "
+                        "knows its masks. Fix: drop them, or use --layout generic")
+    if classes is not None and (not classes or not all(isinstance(c, str) and c.strip() for c in classes)):
+        raise DataError(f"classes={classes!r}: need one non-empty name per class. Fix: e.g. --classes disc,cup")
+    if mask_threshold is not None and classes is not None and len(classes) > 1:
+        raise DataError(f"--mask-threshold makes every mask binary (one class), but --classes names {len(classes)} "
+                        f"classes ({','.join(classes)}). Fix: pass one class name, or drop --mask-threshold for "
+                        "labelled masks")
+
+
+def _note_empty_splits(sites: dict[str, list[dict]], splits: dict[str, dict[str, list[dict]]], root: Path,
+                       notes: dict[str, list[str]]) -> None:
+    """Adds a warning note to each training site whose validation or testing split is empty (an outside site
+    needs only its images)."""
+    for site, entries in splits.items():
+        if any("label" in r for r in sites[site]):
+            cases = len({r["case"] for r in sites[site]})
+            notes[site] += [f"warning: {_rule(empty_split(site, root / site, split, cases))}"  # data check's words
+                            for split in ("validation", "testing") if not entries.get(split)]
 
 
 def _rule(problem: Problem) -> str:
@@ -313,15 +325,7 @@ def _generic(root: Path, out: Path, ignored: list[str], problems: list[Problem],
         flat = [name for name in ("images", "masks") if (site_dir / name).is_dir()]
         parts = [part for part in _GENERIC_PARTS if (site_dir / part).is_dir()]
         if flat or parts:
-            holds = "images/ and masks/" if flat else "train/ and test/"
-            ignored += _strays(site_dir, set(flat or parts), f"not read (a site folder holds {holds} only)")
-            for base in [site_dir / part for part in parts] or [site_dir]:
-                folders = [base / n for n in ("images", "masks") if (base / n).is_dir()]
-                if parts:
-                    ignored += _strays(base, {f.name for f in folders}, f"not read ({base.name}/ holds images/ "
-                                                                         "and masks/ only)")
-                for folder in folders:
-                    ignored += _strays(folder, set(), "", images=True)
+            ignored += _site_strays(site_dir, flat, parts)
         if flat and parts:
             problems.append(Problem(site, str(site_dir), f"holds both {'/, '.join(flat)}/ and {'/, '.join(parts)}/",
                                     "keep either <site>/images + <site>/masks, or <site>/train and <site>/test "
@@ -330,30 +334,55 @@ def _generic(root: Path, out: Path, ignored: list[str], problems: list[Problem],
         if not flat and not parts:
             ignored.append(f"{site_dir}: not a site folder (no images/, masks/, train/ or test/ inside)")
             continue
-        if flat == ["images"]:  # images only: an outside site without masks, every image a testing entry
-            records = [{"image": str(image), "case": case, "split": "testing"}
-                       for case, image in sorted(_by_stem(site, site_dir / "images").items())]
-            if records:
-                sites[site] = records
-            else:
-                problems.append(Problem(site, str(site_dir / "images"), "no image files",
-                                        "add the site's images (PNG, JPEG or NIfTI), or remove the site folder"))
-            continue
-        records, n_missing = [], len(missing)
-        for part in parts or [None]:
-            base = site_dir / part if part else site_dir
-            for image, mask in _pair_folder(site, base / "images", base / "masks", missing):
-                record = {"image": str(image), "label": str(mask),
-                          "case": f"{part}/{file_stem(image)}" if part else file_stem(image)}
-                if part == "test":
-                    record["split"] = "testing"
-                records.append(record)
+        n_missing = len(missing)
+        images_only = flat == ["images"]  # an outside site without masks, every image a testing entry
+        records = (_unlabelled_records(site, site_dir / "images") if images_only
+                   else _paired_records(site, site_dir, parts, missing))
         if records:
             sites[site] = records
+        elif images_only:
+            problems.append(Problem(site, str(site_dir / "images"), "no image files",
+                                    "add the site's images (PNG, JPEG or NIfTI), or remove the site folder"))
         elif len(missing) == n_missing:  # no files at all (unpaired ones are reported below)
             problems.append(Problem(site, str(site_dir), "no image files in its images/ and masks/ folders",
                                     "add the site's images and masks (PNG, JPEG or NIfTI), or remove the site folder"))
     return sites
+
+
+def _site_strays(site_dir: Path, flat: list[str], parts: list[str]) -> list[str]:
+    """What a generic site folder holds besides its images/ + masks/ (``flat``) or train/ + test/ (``parts``)
+    folders, as ``_strays`` lists it, the site folder's own entries first."""
+    holds = "images/ and masks/" if flat else "train/ and test/"
+    ignored = _strays(site_dir, set(flat or parts), f"not read (a site folder holds {holds} only)")
+    for base in [site_dir / part for part in parts] or [site_dir]:
+        folders = [base / n for n in ("images", "masks") if (base / n).is_dir()]
+        if parts:
+            ignored += _strays(base, {f.name for f in folders}, f"not read ({base.name}/ holds images/ "
+                                                                 "and masks/ only)")
+        for folder in folders:
+            ignored += _strays(folder, set(), "", images=True)
+    return ignored
+
+
+def _unlabelled_records(site: str, image_dir: Path) -> list[dict]:
+    """An outside site's records: every image of ``image_dir`` a testing entry without a label, by file stem."""
+    return [{"image": str(image), "case": case, "split": "testing"}
+            for case, image in sorted(_by_stem(site, image_dir).items())]
+
+
+def _paired_records(site: str, site_dir: Path, parts: list[str], missing: list[str]) -> list[dict]:
+    """A generic site's image + mask records from <site>/ or each of its train/ and test/ parts (cases named
+    ``<part>/<stem>``, the test part kept as testing); unpaired files go to ``missing``."""
+    records = []
+    for part in parts or [None]:
+        base = site_dir / part if part else site_dir
+        for image, mask in _pair_folder(site, base / "images", base / "masks", missing):
+            record = {"image": str(image), "label": str(mask),
+                      "case": f"{part}/{file_stem(image)}" if part else file_stem(image)}
+            if part == "test":
+                record["split"] = "testing"
+            records.append(record)
+    return records
 
 
 #: files of pflseg's own in a data folder indexed in place (``--out`` = ``--root``): not strays
