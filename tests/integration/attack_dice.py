@@ -21,6 +21,7 @@ import statistics
 from datetime import datetime
 from pathlib import Path
 
+from pflseg.config import parse_set
 from pflseg.data import load_dataset_info, make_synthetic
 from pflseg.eval.bench import Bench
 from pflseg.eval.demo import SETTINGS
@@ -64,12 +65,15 @@ def liar_env(attack: str | None) -> None:
         os.environ.pop("PYTHONPATH", None)
 
 
-def run(workspace: Path, job: str, attack: str | None, seed: int, rounds: int, table_only: bool = False) -> dict | None:
+def run(workspace: Path, job: str, attack: str | None, seed: int, rounds: int, table_only: bool = False,
+        sets: dict | None = None) -> dict | None:
     """One simulator run (read back when it finished earlier): the summary of its results.json; with ``table_only``
-    a run that did not finish earlier is not run (None)."""
+    a run that did not finish earlier is not run (None). ``sets``: more job overrides (``--set``, e.g. robust.clip)."""
     root = data_root(workspace, seed)
     settings = {k: v for k, v in SETTINGS.items() if k != "privacy"}
     overrides = {**settings, "data": {"size": load_dataset_info(root)["train_size"]}}
+    for section, value in (sets or {}).items():  # --set keys beside (or inside) the demo's settings
+        overrides[section] = {**overrides.get(section, {}), **value} if isinstance(value, dict) else value
     bench = AttackBench(workspace / (attack or "honest"), data=root, methods=[job], seeds=[seed], rounds=rounds,
                   sites=SITES, outside=False, overrides=overrides, preset=None, progress=print)
     if table_only and not bench.finished(seed, "inside", job):
@@ -132,7 +136,10 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--methods", nargs="+", default=list(ATTACKS), choices=list(ATTACKS))
     parser.add_argument("--table-only", action="store_true", help="run nothing: the table of the finished runs")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="a job override for every run, e.g. robust.clip=1 (use a workspace per setting)")
     args = parser.parse_args(argv)
+    sets = parse_set(args.sets)
     ws = args.workspace.resolve()
     ws.mkdir(parents=True, exist_ok=True)
     runs: dict = {}
@@ -142,7 +149,7 @@ def main(argv=None) -> None:
     plan += [(job, a) for job in args.methods for a in ATTACKS[job][1:]]
     for job, attack in plan:
         for seed in args.seeds:
-            out = run(ws, job, attack, seed, args.rounds, args.table_only)
+            out = run(ws, job, attack, seed, args.rounds, args.table_only, sets)
             if out is None:
                 continue
             runs[(job, attack, seed)] = out
