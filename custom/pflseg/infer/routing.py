@@ -408,6 +408,72 @@ def mean_coefficients(routed: nn.Module, dataset: Dataset, device, batch_size: i
     return out
 
 
+def _methods(comparators: bool | list) -> list[str]:
+    """The methods :func:`route_site` scores, in table order: ``routing`` and ``routing_final``, and the comparators
+    asked for (True: all, False: none, a list: these; an unknown name raises)."""
+    unknown = [m for m in comparators if m not in METHODS] if isinstance(comparators, list) else []
+    if unknown:
+        raise ValueError(f"iopfl.comparators: unknown {unknown}; known: {', '.join(METHODS)}")
+    return [m for m in METHODS
+            if m in ("routing", "routing_final") or comparators is True or (comparators and m in comparators)]
+
+
+def _first_pass(static: StaticComparators | None, dataset: Dataset, device, batch_size: int, seed: int,
+                preds: dict[str, dict]) -> dict[tuple, dict]:
+    """{sample key: its record (case, slice, label)} from one pass in the adaptive methods' seeded batches; the
+    static comparators' predictions of the same pass go into ``preds`` ({name: {key: (C, H, W) bool}})."""
+    samples: dict[tuple, dict] = {}
+    for batch in make_loader(dataset, batch_size, shuffle=True, seed=seed):
+        x = batch["image"].to(device)
+        out = {name: p > 0.5 for name, p in static(x).items()} if static is not None else {}
+        has_label = batch["has_label"].tolist() if torch.is_tensor(batch["has_label"]) else list(batch["has_label"])
+        for i in range(x.shape[0]):
+            key = _key(batch, i)
+            samples[key] = {"case": key[:2], "slice": key[2], "has_label": bool(has_label[i]),
+                            "label": batch["label"][i] > 0.5 if has_label[i] else None, "preds": {}, "choice": {}}
+            for name, p in out.items():
+                preds[name][key] = p[i].cpu()
+    return samples
+
+
+def _adapt_router(kind: str, experts: list[nn.Module], s: dict, dataset: Dataset, device, weights: dict, cfg: dict,
+                  seed: int, batch_size: int, amp: str) -> tuple[nn.Module, dict, dict]:
+    """One routed method: its starting model (after ``seed_everything(seed)``) measured, then :func:`route_with_lr`.
+
+    Returns:
+        (the adapted routed model, :func:`route_with_lr`'s run, the start: {"coef": :func:`sample_coefficients`,
+        "loss", "foreground": :func:`final_loss`, "preds": :func:`predict`}).
+    """
+    def build():
+        return build_routed_model(experts, router=kind, norm_affine=s["norm_affine"], rest=s["rest"],
+                                  normalised=s["normalised"])
+
+    seed_everything(seed)
+    model = build().to(device)  # the routers' common start (one init for every rate)
+    coef = sample_coefficients(model, dataset, device, batch_size, amp)
+    loss, foreground, _ = final_loss(model, dataset, device, weights, cfg, seed, amp=amp)
+    preds = predict(model, dataset, device, cfg["batch_size"], seed, amp)
+    del model
+    routed, run = route_with_lr(build, dataset, device, weights, cfg, seed, foreground, preds, amp)
+    return routed, run, {"coef": coef, "loss": loss, "foreground": foreground, "preds": preds}
+
+
+def _by_case(samples: dict[tuple, dict], preds: dict[str, dict], names: list[str]) -> dict[tuple, list]:
+    """{case: its samples in slice order}, each sample given its prediction by every method of ``names``; a sample a
+    method never predicted raises, naming both."""
+    by_case: dict[tuple, list] = defaultdict(list)
+    for key, smp in samples.items():
+        for name in names:
+            if key not in preds[name]:
+                raise RuntimeError(f"{name}: no prediction for sample {key} (its loss was never finite)")
+            smp["preds"][name] = preds[name][key]
+            smp["choice"][name] = name
+        by_case[smp["case"]].append(smp)
+    for items in by_case.values():
+        items.sort(key=lambda x: x["slice"])
+    return by_case
+
+
 def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Dataset, device, cfg: dict, seed: int = 0,
                out_dir: str | Path | None = None, label_encoding: str = "nested", comparators: bool | list = True,
                batch_size: int = 32, amp: str = "off", prior: Sequence[float] | None = None) -> dict:
@@ -445,59 +511,36 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
     if s["size_prior"] and prior is None:
         raise ValueError("iopfl.size_prior > 0 needs the inside sites' foreground fractions, which this bundle does "
                          "not hold: route a bundle of a training run of this version, or set iopfl.size_prior: 0")
+    prior_values = None if prior is None else [float(x) for x in prior]
     cfg = {**cfg, "rot_flip": s["rot_flip"], "shape_reduction": s["shape_reduction"],
-           "prior": None if prior is None else torch.tensor([float(x) for x in prior], device=device)}
+           "prior": None if prior_values is None else torch.tensor(prior_values, device=device)}
     steps = budget(len(dataset), cfg)
-    unknown = [m for m in comparators if m not in METHODS] if isinstance(comparators, list) else []
-    if unknown:
-        raise ValueError(f"iopfl.comparators: unknown {unknown}; known: {', '.join(METHODS)}")
-    methods = [m for m in METHODS
-               if m in ("routing", "routing_final") or comparators is True or (comparators and m in comparators)]
+    methods = _methods(comparators)
     preds: dict[str, dict] = defaultdict(dict)
     seconds: dict[str, float] = {}
 
     # one pass in the adaptive methods' batches: labels, and the non-adaptive comparators in both treatments
     static = StaticComparators(all_experts, amp).to(device) if set(methods) & set(StaticComparators.NAMES) else None
-    samples: dict[tuple, dict] = {}
     t0 = time.time()
-    for batch in make_loader(dataset, cfg["batch_size"], shuffle=True, seed=seed):
-        x = batch["image"].to(device)
-        out = {name: p > 0.5 for name, p in static(x).items()} if static is not None else {}
-        has_label = batch["has_label"].tolist() if torch.is_tensor(batch["has_label"]) else list(batch["has_label"])
-        for i in range(x.shape[0]):
-            key = _key(batch, i)
-            samples[key] = {"case": key[:2], "slice": key[2], "has_label": bool(has_label[i]),
-                            "label": batch["label"][i] > 0.5 if has_label[i] else None, "preds": {}, "choice": {}}
-            for name, p in out.items():
-                preds[name][key] = p[i].cpu()
+    samples = _first_pass(static, dataset, device, cfg["batch_size"], seed, preds)
     seconds.update(dict.fromkeys(preds, time.time() - t0))  # the static comparators share the one pass
 
     routers = {"routing": s["router"], "routing_global": "model", "routing_layer": "layer_global"}
     coefficients, adaptation, kept_seconds = {}, {}, {}
     for name in [m for m in methods if m in routers]:
-        def build(kind=routers[name]):
-            return build_routed_model(all_experts, router=kind, norm_affine=s["norm_affine"], rest=s["rest"],
-                                      normalised=s["normalised"])
-
-        seed_everything(seed)
-        start = build().to(device)  # the routers' common start (one init for every rate)
-        coef_0 = sample_coefficients(start, dataset, device, batch_size, amp)
-        start_loss, start_foreground, _ = final_loss(start, dataset, device, weights, cfg, seed, amp=amp)
-        start_preds = predict(start, dataset, device, cfg["batch_size"], seed, amp)
-        if name == "routing":
-            preds["routing_step0"] = start_preds
-        del start
-        routed, run = route_with_lr(build, dataset, device, weights, cfg, seed, start_foreground, start_preds, amp)
-        preds[name] = start_preds if run["refused"] else run["best"].pred  # refused: the starting model's
-        if name == "routing":  # the final routed model itself, beside its per-sample lowest-loss predictions
+        routed, run, start = _adapt_router(routers[name], all_experts, s, dataset, device, weights, cfg, seed,
+                                           batch_size, amp)
+        if name == "routing":  # its start, and the final routed model itself beside its per-sample lowest-loss ones
+            preds["routing_step0"] = start["preds"]
             preds["routing_final"] = predict(routed, dataset, device, cfg["batch_size"], seed, amp)
             seconds["routing_final"] = run["seconds"]
+        preds[name] = start["preds"] if run["refused"] else run["best"].pred  # refused: the starting model's
         seconds[name] = run["seconds"]
         kept_seconds[name] = run["run_seconds"] / run["visits"]
-        coefficients[name] = mean_coefficients(routed, dataset, device, batch_size, start=coef_0, amp=amp)
+        coefficients[name] = mean_coefficients(routed, dataset, device, batch_size, start=start["coef"], amp=amp)
         adaptation[name] = {"lr": run["lr"], "lr_grid": run["lr_grid"], "steps": run["steps"],
-                            "start_loss": start_loss, "final_loss": run["final_loss"],
-                            "start_foreground": start_foreground, "foreground": run["foreground"],
+                            "start_loss": start["loss"], "final_loss": run["final_loss"],
+                            "start_foreground": start["foreground"], "foreground": run["foreground"],
                             "agreement": run["agreement"], "refused": run["refused"]}
     tent_note = None
     tent_steps = {"tent": None, "tent_epochs": steps, "tent_average": None}
@@ -515,16 +558,7 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
     extra = ["routing_step0"]
     if static is not None:
         extra += [f"expert{e}{t}" for e in range(len(all_experts)) for t in ("", "_bn")]
-    by_case: dict[tuple, list] = defaultdict(list)
-    for key, smp in samples.items():
-        for name in methods + extra:
-            if key not in preds[name]:
-                raise RuntimeError(f"{name}: no prediction for sample {key} (its loss was never finite)")
-            smp["preds"][name] = preds[name][key]
-            smp["choice"][name] = name
-        by_case[smp["case"]].append(smp)
-    for items in by_case.values():
-        items.sort(key=lambda x: x["slice"])
+    by_case = _by_case(samples, preds, methods + extra)
     names = case_names(list(by_case))
 
     def dice(name):
@@ -539,7 +573,7 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
         result["methods"][name] = {**case_dice(by_case, names, lambda _, n=name: n), "seconds": seconds[name]}
     result["diagnostics"] = {
         "settings": {**s, "steps": steps, "lr_trial_steps": min(cfg.get("lr_trial_steps") or steps, steps),
-                     "loss_weights_values": weights, "prior": None if prior is None else [float(x) for x in prior]},
+                     "loss_weights_values": weights, "prior": prior_values},
         "experts": {"names": expert_names, "relative_distance": relative_distances(all_experts),
                     **({"dice": [dice(f"expert{e}") for e in range(len(all_experts))],
                         "dice_bn": [dice(f"expert{e}_bn") for e in range(len(all_experts))]} if static is not None
