@@ -43,7 +43,6 @@ MAX_NET_LEVELS = 8  # entries of net.channels / net.strides
 MAX_NET_PARAMS = 200_000_000
 MAX_ACTIVATION_GIB = 64.0
 NORMS = ("batch", "instance")
-NETS = ("unet", "lcfed")
 
 
 class ConfigError(ValueError):
@@ -182,6 +181,10 @@ def activation_bytes(cfg: Mapping, batch: int, training: bool = True) -> float:
 def check_net_budget(cfg: Mapping, source: str = "config") -> None:
     """The network's parameter count (built on torch's meta device) and its activation estimate within
     ``MAX_NET_PARAMS`` / ``MAX_ACTIVATION_GIB``: ConfigError naming the keys that size them and the numbers."""
+    import torch
+
+    from pflseg.nets import NETS, build_net, fit_to_sites
+
     net = cfg["net"]
     if net["name"] not in NETS:
         raise ConfigError(f"{source}: net.name must be one of {', '.join(NETS)}, got {net['name']!r}")
@@ -201,12 +204,9 @@ def check_net_budget(cfg: Mapping, source: str = "config") -> None:
                               f"{net['num_res_units']}) needs about {gib:.0f} GiB of feature maps per batch, over the "
                               f"budget of {MAX_ACTIVATION_GIB:.0f} GiB (pflseg.config.MAX_ACTIVATION_GIB): lower one "
                               "of these keys")
-    import torch
-
-    from pflseg.nets import build_net
-
-    sized = dict(net, n_sites=max(net["n_sites"], 1)) if net["name"] == "lcfed" else dict(net)
+    sized = dict(net)
     try:
+        fit_to_sites(sized, ["one site"])  # a net sized by its sites (n_sites: 0 until they join) counted at one
         with torch.device("meta"):
             n_params = sum(p.numel() for p in build_net(sized).parameters())
     except (ValueError, TypeError, AssertionError) as exc:

@@ -1,3 +1,3 @@
-from pflseg.nets.unet import build_net, build_unet, fit_to_sites
+from pflseg.nets.unet import NETS, build_net, build_unet, fit_to_sites
 
-__all__ = ["build_net", "build_unet", "fit_to_sites"]
+__all__ = ["NETS", "build_net", "build_unet", "fit_to_sites"]

@@ -49,6 +49,10 @@ def build_unet(cfg: Mapping) -> nn.Module:
     )
 
 
+#: the networks ``build_net`` makes (``net.name``)
+NETS = ("unet", "lcfed")
+
+
 def build_net(cfg: Mapping) -> nn.Module:
     """Factory over the project's networks; ``cfg["name"]`` selects (default ``unet``).
 
@@ -60,7 +64,7 @@ def build_net(cfg: Mapping) -> nn.Module:
         return build_unet(cfg)
     if name == "lcfed":
         return build_lcfed(cfg)
-    raise ValueError(f"net.name: unknown network '{name}'; known: unet, lcfed")
+    raise ValueError(f"net.name: unknown network '{name}'; known: {', '.join(NETS)}")
 
 
 def fit_to_sites(cfg: dict, sites: list[str]) -> None:
