@@ -146,7 +146,7 @@ BENCH_JOBS = 2
 #: ``pflseg report NAME``: the module whose ``report(**flags)`` returns the Markdown to print (it reads the flags it
 #: needs and ignores the others)
 REPORTS = {"fedsm-benchmark": "pflseg.eval.fedsm_benchmark", "gpu": "pflseg.eval.gpu",
-           "grace-benchmark": "pflseg.eval.grace_benchmark",
+           "grace-benchmark": "pflseg.flare.controllers.grace_benchmark",
            "heterogeneity": "pflseg.eval.heterogeneity", "iopfl-cost": "pflseg.eval.iopfl_cost",
            "routing-validation": "pflseg.eval.routing_validation", "soak": "pflseg.eval.soak",
            "speed": "pflseg.eval.speed"}
@@ -292,6 +292,15 @@ def _registry_methods(parser: argparse.ArgumentParser) -> None:
             action.help = f"{action.help}: {', '.join(action.choices)}"
 
 
+def _reference_job(parser: argparse.ArgumentParser) -> None:
+    """--job of the POC: its default the registry's reference job (``pflseg.flare.methods.REFERENCE_JOB``)."""
+    from pflseg.flare.methods import REFERENCE_JOB
+
+    for action in parser._actions:
+        if action.dest == "job":
+            action.default, action.help = REFERENCE_JOB, f"job name (app_configs/<job>.yaml; default {REFERENCE_JOB})"
+
+
 def _data_parser(sub) -> None:
     d = sub.add_parser("data", help="make, index and check data sets").add_subparsers(dest="data_cmd", required=True)
     s = d.add_parser("synth", help="make a synthetic multi-site NIfTI data set")
@@ -428,6 +437,7 @@ def _soak_flags(p) -> None:
            sites=f"sites of every run (default {soak.DEFAULTS['sites']})",
            size=f"image size (default {soak.DEFAULTS['size']})")
     soak.add_arguments(p)
+    p.prepare = soak.name_defaults
 
 
 def _speed_flags(p) -> None:
@@ -440,6 +450,7 @@ def _speed_flags(p) -> None:
            size=f"image size (default {d['size']})", set="config override for every job")
     p.add_argument("--repeats", type=_positive, help="timing repeats of the aggregation step")
     speed.add_arguments(p)  # the rest of its flags
+    p.prepare = speed.name_defaults
 
 
 def _gpu_flags(p) -> None:
@@ -510,7 +521,8 @@ def _deploy_parsers(sub) -> None:
     pc = sub.add_parser("poc",
                         help="FLARE POC on loopback: prepare, start, submit one job, print per-site metrics, stop")
     pc.set_defaults(func=_poc)
-    pc.add_argument("--job", default="fedavg", help="job name (app_configs/<job>.yaml; default fedavg)")
+    pc.add_argument("--job", help="job name (app_configs/<job>.yaml; default: the registry's reference job)")
+    pc.prepare = _reference_job
     _site_flags(pc, "all sites of --data, else 2")
     _flags(pc, rounds={"default": 2, "help": "federated rounds (default 2)"},
            data="data root (default: synthetic data made at each site); its sites are the POC sites",
@@ -574,8 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 #: what to do after Ctrl-C / SIGTERM stopped a command's run, per command
 _AFTER_STOP = {"run": "continue with --resume",
-               "bench": "run the same command again to continue (finished runs are read back, this one resumes)",
-               "iopfl": "run the same command again to continue (finished runs are read back, this one resumes)"}
+               "bench": "run the same command again to continue (finished runs are read back, this one resumes)"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -74,13 +74,14 @@ def _edit(path: Path, change) -> None:
     path.write_text(json.dumps(cfg, indent=2))
 
 
-def run_poc(job: str = "fedavg", workspace: str | Path = "runs/poc", sites: int | None = None,
+def run_poc(job: str | None = None, workspace: str | Path = "runs/poc", sites: int | None = None,
             site_names: list[str] | None = None, rounds: int = 2, data: str | Path | None = None,
             size: int | None = None, sets: list[str] | None = None, say=print) -> dict:
     """``pflseg poc``: prepare a POC federation in ``workspace`` (``data``'s sites under their FLARE names, else
     ``site_names`` or ``sites`` (default 2) sites making the job's synthetic data), start it, export ``job`` with
     ``sets``, ``data`` and ``size`` (``job_overrides``), ``rounds`` and ``min_clients`` unless ``sets`` name them,
-    submit it through the FLARE API, ``say`` its per-site metrics, and stop the federation.
+    submit it through the FLARE API, ``say`` its per-site metrics, and stop the federation. ``job`` None: the
+    registry's reference job (``pflseg.flare.methods.REFERENCE_JOB``).
 
     Returns:
         The job's results (``pflseg.deploy.submit.submit``).
@@ -88,7 +89,9 @@ def run_poc(job: str = "fedavg", workspace: str | Path = "runs/poc", sites: int 
     from pflseg.deploy.data_sites import job_overrides, run_sites
     from pflseg.deploy.submit import metrics_table, submit
     from pflseg.flare.jobs import export_job
+    from pflseg.flare.methods import REFERENCE_JOB
 
+    job = job or REFERENCE_JOB
     ws = Path(workspace).resolve()
     overrides = job_overrides(sets or [], data, size)
     root, clients, n = run_sites(data, ws, sites, site_names, default=2, say=say)

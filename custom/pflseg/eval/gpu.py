@@ -75,9 +75,8 @@ SITES_SIZE = 32
 #: local epochs per round of the sites and reference runs: with the demo's settings and two rounds of 3 epochs the
 #: 3-site FedAvg model is still near its start (test Dice 0.08 on the CPU), where any two runs agree; 8 epochs train it
 SITES_EPOCHS = 8
-#: the dry run's config on top: one epoch, no AdaBN control, a tiny U-Net (UNet jobs only)
-#: the dry run's one method: a demo method with a site class of its own (FedBN's hooks), the cheapest to run
-DRY_METHOD = "fedbn"
+#: the dry run's config on top: one epoch, no AdaBN control, a tiny U-Net (UNet jobs only); its one method is the
+#: registry's (``Method.reports``: ``gpu-dry-run``)
 DRY_EXTRA = {"train": {"epochs": 1, "adabn": False}, "net": {"channels": [4, 8, 16], "strides": [2, 2]}}
 
 
@@ -108,28 +107,34 @@ def demo_methods() -> tuple[str, ...]:
 
 def make_plan(dry_run: bool = False) -> Plan:
     if dry_run:
-        return Plan(True, rounds=1, methods=(DRY_METHOD,), sites=(2,), size=16, sites_size=16, extra=DRY_EXTRA)
+        from pflseg.flare.methods import report_jobs
+
+        return Plan(True, rounds=1, methods=report_jobs("gpu-dry-run"), sites=(2,), size=16, sites_size=16,
+                    extra=DRY_EXTRA)
     return Plan(False, rounds=2, methods=demo_methods(), sites=(3, 6), size=None,
                 sites_extra={"train": {"epochs": SITES_EPOCHS}})
 
 
 # ---- the steps and their estimate (pure) ----------------------------------------------------------------------------
 def steps(plan: Plan) -> list[dict]:
-    """Every step of ``plan`` in the order it runs: ``{"step", "what", "estimate_s", ...}``."""
+    """Every step of ``plan`` in the order it runs: ``{"step", "what", "estimate_s", ...}``; the sites, reference and
+    plain-loop steps run the registry's reference job."""
+    from pflseg.flare.methods import REFERENCE_JOB
+
     start, per_round = (DRY_START_S, DRY_ROUND_S) if plan.dry_run else (START_S, ROUND_S)
     cpu_round = DRY_ROUND_S if plan.dry_run else CPU_ROUND_S
     device = "cpu (dry run)" if plan.dry_run else "cuda"
     out: list[dict] = [{"step": "tests", "what": "python -m pytest -m gpu (the files that mark gpu tests)",
                         "estimate_s": DRY_TESTS_S if plan.dry_run else TESTS_S}]
     for n in plan.sites:
-        out.append({"step": "sites", "job": "fedavg", "sites": n, "amp": "off", "device": device,
+        out.append({"step": "sites", "job": REFERENCE_JOB, "sites": n, "amp": "off", "device": device,
                     "size": plan.sites_size, "what": f"FedAvg, {n} sites sharing the device, {plan.sites_size} px",
                     "estimate_s": start + plan.rounds * per_round * max(1.0, n / 3)})
     first = plan.sites[0]
-    out.append({"step": "reference", "job": "fedavg", "sites": first, "amp": "off", "device": "cpu",
+    out.append({"step": "reference", "job": REFERENCE_JOB, "sites": first, "amp": "off", "device": "cpu",
                 "size": plan.sites_size, "what": f"FedAvg, {first} sites on the CPU (the Dice reference)",
                 "estimate_s": start + plan.rounds * cpu_round})
-    out.append({"step": "plain", "job": "fedavg", "sites": first, "device": device,
+    out.append({"step": "plain", "job": REFERENCE_JOB, "sites": first, "device": device,
                 "what": f"plain PyTorch loop, {first} sites at once, {plan.rounds} round(s)",
                 "estimate_s": DRY_PLAIN_S if plan.dry_run else PLAIN_S})
     for job in plan.methods:

@@ -26,6 +26,7 @@ from pflseg.deploy.simulator import run_simulator
 from pflseg.deploy.workspace import server_state
 from pflseg.eval.progress import RunProgress
 from pflseg.flare.jobs import export_job
+from pflseg.flare.methods import REFERENCE_JOB
 from pflseg.flare.state import RoundStore, load_file, unprefixed
 from pflseg.markdown import markdown_table
 from pflseg.nets import build_net
@@ -62,7 +63,7 @@ def summarise(matrix: dict[str, dict[str, float]], kinds: dict[str, str], n_trai
     smallest = min(inside, key=lambda s: n_train[s])
     drops = {s: sum(1 for o in inside if o != s and matrix[f"local:{s}"][s] - matrix[f"local:{s}"][o] >= DROP)
              for s in inside}
-    fedavg = matrix.get("fedavg")
+    fedavg = matrix.get(REFERENCE_JOB)
     return {
         "matrix": matrix, "kinds": dict(kinds), "train_slices": dict(n_train), "smallest_site": smallest,
         "sites_losing_0.15_on_most_others": sum(1 for s in inside if drops[s] > (len(inside) - 1) / 2),
@@ -112,16 +113,16 @@ def measure(workspace: str | Path, rounds: int = 20, task: str = "prostate", see
         over["net"] = {"out_channels": 2}
     models = {}
     steps = RunProgress(2, progress)
-    for name in ("local", "fedavg"):
+    for name in ("local", REFERENCE_JOB):
         job = export_job(name, ws / "jobs", overrides=over)
         steps.start(name)
         run_simulator(job, ws / name, n_sites=len(inside), data=root, progress=progress, clients=inside)
         steps.done()
-    cfg = load_job_config("fedavg", overrides=over)
+    cfg = load_job_config(REFERENCE_JOB, overrides=over)
     for site in inside:
         models[f"local:{site}"] = unprefixed("model", load_file(ws / "local" / "state" / site / "local" / "best.pt"))
-    store = RoundStore(server_state(ws / "fedavg", "fedavg"))
-    models["fedavg"] = unprefixed("best", store.final())
+    store = RoundStore(server_state(ws / REFERENCE_JOB, REFERENCE_JOB))
+    models[REFERENCE_JOB] = unprefixed("best", store.final())
     matrix = {name: _score(state, cfg, root, sites) for name, state in models.items()}
     n_train = {s: len(site_dataset(root, s, "training", size=cfg["data"]["size"])) for s in inside}
     report = {"preset": preset, "seed": seed, "rounds": rounds, **summarise(matrix, kinds, n_train)}

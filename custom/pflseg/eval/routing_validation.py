@@ -30,6 +30,7 @@ from torch.utils.data import ConcatDataset
 
 from pflseg.algorithms.routing import build_routed_model, loss_weights
 from pflseg.data import site_dataset
+from pflseg.flare.methods import METHODS
 from pflseg.flare.state import load_file, private_dir, unprefixed
 from pflseg.infer.routing import _trainable, adapt, budget, final_loss, predict, settings
 from pflseg.nets import build_net
@@ -122,6 +123,7 @@ def validate_routing(bundle: str | Path, run_config: dict, data: str | Path, sit
     whose effective config is ``run_config``) at the validation ``sites`` of the data root ``data``."""
     b = load_file(Path(bundle))
     net_cfg, size = run_config["net"], run_config["data"]["size"]
+    section = METHODS[run_config["method"]].sections[0]  # the run's routing settings: its method's own section
     experts = []
     for prefix in [f"person.{s}" for s in b["sites"]] + ["global"]:
         net = build_net(net_cfg)
@@ -134,7 +136,7 @@ def validate_routing(bundle: str | Path, run_config: dict, data: str | Path, sit
         dataset = site_images(data, site, size)
         labels = _labels(dataset)
         for name, over in variants.items():
-            cfg = {**copy.deepcopy(run_config["iopfl"]), "lr_guard": 0.0, **over}
+            cfg = {**copy.deepcopy(run_config[section]), "lr_guard": 0.0, **over}
             if steps:
                 cfg["steps"] = steps
             t0 = time.time()

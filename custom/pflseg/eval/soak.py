@@ -23,7 +23,8 @@ from pflseg.markdown import markdown_table
 MIB = 2**20
 #: growth per round after the warm-up that a process may show and pass (MiB)
 BOUND_MIB = 2.0
-DEFAULTS = {"methods": ("fedavg", "fedsm"), "sites": 3, "rounds": 100, "size": 32, "warmup": 5, "period": 1.0}
+#: ``soak``'s defaults; its jobs: ``default_jobs``
+DEFAULTS = {"sites": 3, "rounds": 100, "size": 32, "warmup": 5, "period": 1.0}
 
 
 class RoundTrace(MemorySampler):
@@ -71,10 +72,19 @@ def growth(trace: Sequence[tuple[int, dict[str, int]]], warmup: int) -> dict[str
     return out
 
 
-def soak(workspace: str | Path, methods: Sequence[str] = DEFAULTS["methods"], sites: int = DEFAULTS["sites"],
+def default_jobs() -> tuple[str, ...]:
+    """The jobs soaked when none is named: the registry's reference job, then the methods whose ``Method.reports``
+    name the soak (FedAvg, FedSM)."""
+    from pflseg.flare.methods import REFERENCE_JOB, report_jobs
+
+    return (REFERENCE_JOB, *report_jobs("soak"))
+
+
+def soak(workspace: str | Path, methods: Sequence[str] | None = None, sites: int = DEFAULTS["sites"],
          rounds: int = DEFAULTS["rounds"], size: int = DEFAULTS["size"], warmup: int = DEFAULTS["warmup"],
          period: float = DEFAULTS["period"], progress=print) -> dict:
-    """Run each of ``methods`` once in the simulator with its memory traced; write ``<workspace>/soak.json``."""
+    """Run each of ``methods`` (default ``default_jobs``) once in the simulator with its memory traced; write
+    ``<workspace>/soak.json``."""
     from pflseg.deploy.simulator import run_simulator
     from pflseg.deploy.workspace import server_state
     from pflseg.eval.speed import data_root, job_overrides
@@ -84,7 +94,7 @@ def soak(workspace: str | Path, methods: Sequence[str] = DEFAULTS["methods"], si
     root = data_root(ws, sites, size)
     result: dict = {"sites": sites, "rounds": rounds, "size": size, "warmup": warmup, "bound_mib": BOUND_MIB,
                     "period": period, "jobs": {}}
-    for job in methods:
+    for job in default_jobs() if methods is None else methods:
         run = ws / "sim" / job
         job_dir = export_job(job, run / "job", overrides=job_overrides(sites, rounds, size))
         progress(f"soak: {job}, {sites} sites, {rounds} rounds at {size} px ...")
@@ -112,13 +122,20 @@ def to_markdown(result: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--soak-methods", nargs="+", metavar="JOB", help=f"jobs to soak (default: "
-                        f"{' '.join(DEFAULTS['methods'])})")
+    parser.add_argument("--soak-methods", nargs="+", metavar="JOB",
+                        help="jobs to soak (default: the reference job and the registry's soak methods)")
     parser.add_argument("--soak-rounds", type=int, metavar="N", help=f"rounds (default {DEFAULTS['rounds']})")
+
+
+def name_defaults(parser: argparse.ArgumentParser) -> None:
+    """--soak-methods' help naming ``default_jobs`` (read from the registry when the command is parsed)."""
+    for action in parser._actions:
+        if action.dest == "soak_methods":
+            action.help = f"jobs to soak (default: {' '.join(default_jobs())})"
 
 
 def report(workspace: str | Path | None = None, soak_methods=None, soak_rounds=None, sites=None, size=None,
            **_) -> str:
     """``pflseg report soak``: ``soak`` in ``workspace`` (default ``runs/soak``); its Markdown."""
-    return to_markdown(soak(workspace or "runs/soak", soak_methods or DEFAULTS["methods"],
+    return to_markdown(soak(workspace or "runs/soak", soak_methods or default_jobs(),
                             sites or DEFAULTS["sites"], soak_rounds or DEFAULTS["rounds"], size or DEFAULTS["size"]))

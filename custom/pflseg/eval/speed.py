@@ -33,9 +33,9 @@ go on the moment the last site has answered, so a fixed cost may lie below its f
 
 Server aggregation: each method's controller ``aggregate`` step (the very method its ``round`` calls, on a
 controller made outside FLARE with ``init_state``) over K Gaussian updates of the job's net (a UNet of about 8 M
-parameters, ``pflseg.eval.grace_benchmark.NET``, for UNet jobs), against a plain torch weighted average of the same
-tensors; minimum over interleaved repeats. FedSM's SoftPull and selector fit come after ``aggregate`` in its round
-and are not in it.
+parameters, ``pflseg.flare.controllers.grace_benchmark.NET``, for UNet jobs), against a plain torch weighted average
+of the same tensors; minimum over interleaved repeats. FedSM's SoftPull and selector fit come after ``aggregate`` in
+its round and are not in it.
 
 ``--scaling``: wall per round and peak host memory (per site process, the largest; and the whole simulator) in the
 simulator against the number of sites and the image size, and IOP-FL test-time routing's time per image and peak
@@ -68,11 +68,18 @@ FLOORS = {("client_api", "sim"): 1.2, ("client_api", "poc"): 0.8, ("executor", "
 ENVS = ("sim", "poc")
 EXECUTOR_KINDS = ("executor", "client_api")
 RESULTS_JSON, MARKDOWN, SCALING_PNG = "speed.json", "speed.md", "speed_scaling.png"
-#: ``run``'s defaults; scaling: the experts are K + 1 for the K of the sites sweep
-DEFAULTS: dict[str, Any] = {"methods": ("fedavg", "grace"), "sites": 3, "rounds": 4, "size": 64, "envs": ENVS,
+#: ``run``'s defaults (its jobs: ``default_jobs``); scaling: the experts are K + 1 for the K of the sites sweep
+DEFAULTS: dict[str, Any] = {"sites": 3, "rounds": 4, "size": 64, "envs": ENVS,
                             "agg_sites": 6, "repeats": 3, "scaling_sites": (3, 6, 12, 24),
-                            "scaling_sizes": (64, 128, 256), "scaling_experts": (4, 7, 13, 25),
-                            "scaling_method": "fedavg"}
+                            "scaling_sizes": (64, 128, 256), "scaling_experts": (4, 7, 13, 25)}
+
+
+def default_jobs() -> dict[str, Any]:
+    """``run``'s jobs when none is named, from the registry: ``methods``, its reference job then the methods whose
+    ``Method.reports`` name the speed report (FedAvg, GRACE); ``scaling_method``, the reference job."""
+    from pflseg.flare.methods import REFERENCE_JOB, report_jobs
+
+    return {"methods": (REFERENCE_JOB, *report_jobs("speed")), "scaling_method": REFERENCE_JOB}
 
 
 # ---- the arithmetic (pure) ------------------------------------------------------------------------------------------
@@ -402,7 +409,7 @@ def aggregation_times(jobs: Sequence[str], n_sites: int = 6, repeats: int = 3, n
     from nvflare.app_common.abstract.fl_model import FLMetaKey, FLModel
 
     from pflseg.config import load_job_config
-    from pflseg.eval.grace_benchmark import NET
+    from pflseg.flare.controllers.grace_benchmark import NET
     from pflseg.flare.methods import method
     from pflseg.flare.state import RoundStore
     from pflseg.flare.wire import GLOBAL, prefixed
@@ -567,26 +574,31 @@ def plot_scaling(rows: list[dict], path: str | Path) -> Path | None:
 
 
 # ---- the report -----------------------------------------------------------------------------------------------------
-def run(workspace: str | Path, methods: Sequence[str] = DEFAULTS["methods"], sites: int = DEFAULTS["sites"],
+def run(workspace: str | Path, methods: Sequence[str] | None = None, sites: int = DEFAULTS["sites"],
         rounds: int = DEFAULTS["rounds"], size: int = DEFAULTS["size"], envs: Sequence[str] = ENVS,
         executor: str | None = None, sets: dict | None = None, agg_sites: int = DEFAULTS["agg_sites"],
         repeats: int = DEFAULTS["repeats"], scale: bool = False,
         scaling_sites: Sequence[int] = DEFAULTS["scaling_sites"],
         scaling_sizes: Sequence[int] = DEFAULTS["scaling_sizes"],
         scaling_experts: Sequence[int] = DEFAULTS["scaling_experts"],
-        scaling_method: str = DEFAULTS["scaling_method"],
+        scaling_method: str | None = None,
         progress=print) -> dict:
     """Measure everything the module docstring lists; write ``speed.json`` (and with ``scale`` the scaling PNG) in
     ``workspace``; return the result ``to_markdown`` renders.
 
     Args:
-        methods: job names (``app_configs/<job>.yaml``).
+        methods: job names (``app_configs/<job>.yaml``; default ``default_jobs``).
         envs: of ``ENVS``: ``sim`` (FLARE's simulator), ``poc`` (a loopback POC federation).
         executor: the sites' executor kind (``site.executor``: ``executor`` | ``client_api``); None: the config's.
         sets: config overrides of every job (``pflseg.config.parse_set`` of ``--set``).
-        scale: also the scaling sweeps (``scaling``).
+        scale: also the scaling sweeps (``scaling``) of ``scaling_method`` (default ``default_jobs``).
     """
     from pflseg.deploy.workspace import workspace_lock
+
+    if methods is None or scaling_method is None:
+        jobs = default_jobs()
+        methods = jobs["methods"] if methods is None else methods
+        scaling_method = scaling_method or jobs["scaling_method"]
 
     unknown = [e for e in envs if e not in ENVS]
     if unknown or not envs:
@@ -762,7 +774,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add("--workspace", default=None, help="folder of the data, runs and report (default: runs/speed)")
     add("--methods", nargs="+", default=None,
-        help=f"jobs to measure (default: {' '.join(DEFAULTS['methods'])}; commas also separate)")
+        help="jobs to measure (default: the reference job and the registry's speed methods; commas also separate)")
     add("--sites", type=int, default=None, help=f"sites of every run (default {DEFAULTS['sites']})")
     add("--rounds", type=int, default=None, help=f"rounds of every run (default {DEFAULTS['rounds']}; round 0 is "
                                                  "not measured)")
@@ -781,7 +793,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"--scaling: image sizes (default {' '.join(map(str, DEFAULTS['scaling_sizes']))})")
     add("--scaling-experts", type=int, nargs="+", default=None,
         help=f"--scaling: routing experts K + 1 (default {' '.join(map(str, DEFAULTS['scaling_experts']))})")
-    add("--scaling-method", default=None, help=f"--scaling: the job (default {DEFAULTS['scaling_method']})")
+    add("--scaling-method", default=None, help="--scaling: the job (default: the reference job)")
+
+
+def name_defaults(parser: argparse.ArgumentParser) -> None:
+    """The help of --methods and --scaling-method naming ``default_jobs`` (read from the registry when the command is
+    parsed)."""
+    jobs = default_jobs()
+    for action in parser._actions:
+        if action.dest == "methods":
+            action.help = f"jobs to measure (default: {' '.join(jobs['methods'])}; commas also separate)"
+        elif action.dest == "scaling_method":
+            action.help = f"--scaling: the job (default {jobs['scaling_method']})"
 
 
 def options(**flags) -> dict:
@@ -792,7 +815,8 @@ def options(**flags) -> dict:
         value = flags.get(name)
         return default if value is None else value
 
-    methods = [m.strip() for item in get("methods", DEFAULTS["methods"]) for m in str(item).split(",") if m.strip()]
+    named = get("methods")
+    methods = None if named is None else [m.strip() for item in named for m in str(item).split(",") if m.strip()]
     return {"workspace": get("workspace", "runs/speed"), "methods": methods, "sites": get("sites", DEFAULTS["sites"]),
             "rounds": get("rounds", DEFAULTS["rounds"]), "size": get("size", DEFAULTS["size"]),
             "envs": tuple(get("envs", ENVS)), "executor": flags.get("executor"),
@@ -801,7 +825,7 @@ def options(**flags) -> dict:
             "scaling_sites": tuple(get("scaling_sites", DEFAULTS["scaling_sites"])),
             "scaling_sizes": tuple(get("scaling_sizes", DEFAULTS["scaling_sizes"])),
             "scaling_experts": tuple(get("scaling_experts", DEFAULTS["scaling_experts"])),
-            "scaling_method": get("scaling_method", DEFAULTS["scaling_method"])}
+            "scaling_method": get("scaling_method")}
 
 
 def report(**flags) -> str:

@@ -65,6 +65,9 @@ TREATMENTS = {"running": "running statistics (as trained)", "batch": "test-batch
               "loso": "running or test-batch statistics, chosen by leave-one-inside-site-out"}
 #: outside reference per treatment: the first of these labels present
 OUTSIDE_REFERENCE = ("FedAvg", "FedAvg (IOP-FL run)")
+#: the reference job: what a runner or a report runs when not told which (``pflseg poc``, the heterogeneity report's
+#: federated model, the cost reports' baseline, the GPU check's sites and CPU reference, cross-site evaluation's bundle)
+REFERENCE_JOB = "fedavg"
 
 
 class Claim(NamedTuple):
@@ -107,6 +110,9 @@ class Method(NamedTuple):
     #: the controller's arguments besides ``config`` (``server_controller`` gives them, so an exported job carries
     #: them): what it must know of the other methods, which it does not import (this registry imports it)
     controller_args: Callable[[], Mapping] | None = None
+    #: the cost reports that run this method by default (``report_jobs``): ``soak``, ``speed`` (beside
+    #: ``REFERENCE_JOB``), ``gpu-dry-run`` (the one method of ``pflseg report gpu --dry-run``)
+    reports: tuple[str, ...] = ()
 
 
 C = Column
@@ -146,7 +152,9 @@ METHODS: dict[str, Method] = {
                                       C("Ditto personalized", "ditto", "site", "unet"))}),
     "fedbn": Method(FedBNController, FedBNSite, label="FedBN",
                     inside={"fedbn": (C("FedBN", "fedbn", "site", "unet"),)},
-                    demo_inside=(C("FedBN", "fedbn", "site", "unet"),)),
+                    demo_inside=(C("FedBN", "fedbn", "site", "unet"),),
+                    # the GPU check's dry run: a site class of its own (FedBN's hooks) at FedAvg's cost
+                    reports=("gpu-dry-run",)),
     "ft": Method(FTController, FTSite, ("ft",), label="FT",
                  inside={"ft": (C("FedAvg (LC-Fed net)", "ft", "global", "lcnet"), C("FT", "ft", "site", "lcnet"))}),
     "fedrep": Method(FedRepController, FedRepSite, ("lcfed",), label="FedRep",
@@ -162,7 +170,8 @@ METHODS: dict[str, Method] = {
                            C(SUPER_0, "fedsm_infer", "super_0", "running", read_super_at(0.0)),
                            C("FedSM global", "fedsm_infer", "global", "running", read_global))},
         demo_inside=(C("FedSM personalized", "fedsm", "site", "unet"),),
-        claims=(Claim(SUPER_LOSO, (SUPER_0, "FedSM global"), "running"),)),
+        claims=(Claim(SUPER_LOSO, (SUPER_0, "FedSM global"), "running"),),
+        reports=("soak",)),  # the most state per round: two models and the selector with its moments
     "grace": Method(
         GraceController, GraceSite, ("grace",), label="GRACE",
         inside={"grace": (C("GRACE global", "grace", "global", "unet"),
@@ -176,7 +185,8 @@ METHODS: dict[str, Method] = {
                  "grace_client": (C("GRACE client-only global", "grace_client", "global", "running"),),
                  "grace_refcode": (C("GRACE ref-code weights global", "grace_refcode", "global", "running"),)},
         demo_inside=(C("GRACE global", "grace", "global", "unet"), C("GRACE personalized", "grace", "site", "unet")),
-        claims=(Claim("GRACE global", ("FedAvg",), "running"),)),
+        claims=(Claim("GRACE global", ("FedAvg",), "running"),),
+        reports=("speed",)),  # the costliest server step: K x K similarities over every update
     "iopfl": Method(
         IOPFLController, IOPFLSite, ("iopfl",), label="IOP-FL",
         inside={"iopfl": (C("IOP-FL global", "iopfl", "global", "unet"), C("IOP-FL P_k", "iopfl", "site", "unet"))},
@@ -211,7 +221,7 @@ METHODS: dict[str, Method] = {
         inside={"centralized": (C("Centralized", "centralized", "global", "unet"),
                                 C("Centralized (LC-Fed net)", "centralized_lcnet", "global", "lcnet"))}),
     # every final model of a training run at every site (any training job: cross_site.bundle; FedAvg's by default)
-    "cross_site": Method(CrossSiteController, CrossSiteSite, ("cross_site",), after=("fedavg", "cross_site", {}),
+    "cross_site": Method(CrossSiteController, CrossSiteSite, ("cross_site",), after=(REFERENCE_JOB, "cross_site", {}),
                          controller_args=lambda: {"personalized_methods": personalized_methods()}),
 }
 
@@ -244,6 +254,12 @@ def method(cfg: dict, source: str | None = None) -> Method:
     entry = METHODS[name]
     entry.controller.check_config(cfg, source)
     return entry
+
+
+def report_jobs(report: str) -> tuple[str, ...]:
+    """The jobs cost report ``report`` runs by default: the registered methods whose ``reports`` name it, in the
+    registry's order (``soak``: FedSM; ``speed``: GRACE; ``gpu-dry-run``: FedBN)."""
+    return tuple(name for name, entry in METHODS.items() if report in entry.reports)
 
 
 def personalized_methods() -> list[str]:

@@ -28,7 +28,8 @@ def run(tmp_path_factory):
     save_file(ws / "state" / "server" / "iopfl" / "bundle.pt",
               {"sites": ["site-1", "site-2"], **prefixed("global", nets[2]), **prefixed("person.site-1", nets[0]),
                **prefixed("person.site-2", nets[1])})
-    (ws / "run.json").write_text(json.dumps({"config": {"net": NET, "data": {"size": 16}, "iopfl": IOPFL}}))
+    (ws / "run.json").write_text(json.dumps({"config": {"method": "iopfl", "net": NET, "data": {"size": 16},
+                                                         "iopfl": IOPFL}}))
     return root, ws
 
 
