@@ -39,12 +39,13 @@ from nvflare.app_common.abstract.fl_model import FLMetaKey
 from pflseg.algorithms.robust import aggregate as robust_aggregate
 from pflseg.algorithms.robust import clip_updates, combine_rows, norm_outliers, norm_ratios
 from pflseg.flare.server_state import ServerState
+from pflseg.flare.wire import MOMENT
 
 N_K = FLMetaKey.NUM_STEPS_CURRENT_ROUND
 #: keys not bounded tensor by tensor (the whole update still is): optimizer moments. Honest sites' Adam second
 #: moments differ by orders of magnitude (measured on the synthetic sites: one tensor's exp_avg_sq update 2000x
 #: the other sites' median in an honest FedSM round); FedSM checks them with ``check_moments`` instead.
-NOT_PER_TENSOR = ("moment.",)
+NOT_PER_TENSOR = (MOMENT + ".",)
 
 
 def robust_args(cfg: dict) -> dict:

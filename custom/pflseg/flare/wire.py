@@ -3,7 +3,8 @@
 A message's ``FLModel.params`` (and a server checkpoint, which bundles hand to post-training jobs) is one flat
 ``{key: tensor}``; the prefix names whose network a key belongs to, ``<prefix>.<network key>``, or, for one network
 per site, ``<prefix>.<site>.<network key>`` (``by_site`` / ``split_by_site``). ``prefixed`` / ``unprefixed`` (the
-same helpers the state on disk uses) add and strip a prefix. The prefixes:
+same helpers the state on disk uses) add and strip a prefix. Every module spells a prefix through these names, never
+as a string of its own (a test scans the package for one). The prefixes:
 
 =============  ========================================================================================
 ``global``     the global model (to every site; its update back)
@@ -40,9 +41,9 @@ BEST_PERSON = "bestperson"
 BEST_SELECT = "bestselect"
 LDA_STATS = "ldastats"
 
-__all__ = ["prefixed", "unprefixed", "by_site", "split_by_site", "sites_in", "only", "GLOBAL", "PERSON", "SELECT",
-           "MOMENT", "GRAD", "STATS", "FAMILIAR", "HEAD", "HEADS", "SITE", "BEST", "BEST_PERSON", "BEST_SELECT",
-           "LDA_STATS"]
+__all__ = ["prefixed", "unprefixed", "by_site", "split_by_site", "sites_in", "only", "model_prefix", "GLOBAL",
+           "PERSON", "SELECT", "MOMENT", "GRAD", "STATS", "FAMILIAR", "HEAD", "HEADS", "SITE", "BEST", "BEST_PERSON",
+           "BEST_SELECT", "LDA_STATS"]
 
 
 def by_site(prefix: str, states: dict[str, dict]) -> dict:
@@ -66,3 +67,9 @@ def only(flat: dict, *prefixes: str) -> dict:
     """The entries of ``flat`` under any of ``prefixes`` (kept prefixed, in their order)."""
     heads = tuple(p + "." for p in prefixes)
     return {k: v for k, v in flat.items() if k.startswith(heads)}
+
+
+def model_prefix(model: str) -> str:
+    """The prefix of a model as a post-training job names it (cross-site evaluation): ``global`` (the global model)
+    or a site's name (that site's personalized model, ``person.<site>``)."""
+    return GLOBAL if model == GLOBAL else f"{PERSON}.{model}"

@@ -35,7 +35,7 @@ from pflseg.config import check_effective
 from pflseg.flare.checks import check_update
 from pflseg.flare.controllers.base import PostTrainingController
 from pflseg.flare.state import RoundStore, private_dir, write_text
-from pflseg.flare.wire import BEST, BEST_PERSON, GLOBAL, PERSON, SITE, prefixed, unprefixed
+from pflseg.flare.wire import BEST, BEST_PERSON, GLOBAL, PERSON, SITE, model_prefix, prefixed, unprefixed
 from pflseg.markdown import markdown_table
 from pflseg.nets import build_net
 
@@ -86,7 +86,7 @@ class CrossSiteController(PostTrainingController):
         payloads = {}
         for site in self.sites:
             send = [m for m in names if m in models or (m in published and m != site)]  # own: scored already
-            params = {k: v for m in send for k, v in prefixed(key_of(m), {**models, **published}[m]).items()}
+            params = {k: v for m in send for k, v in prefixed(model_prefix(m), {**models, **published}[m]).items()}
             payloads[site] = self.message(0, params, models=send)
         res = self.send_each("cross_site", payloads)
         matrix = {s: {m: r.metrics["scores"][m] for m in names if m in r.metrics["scores"]} for s, r in res.items()}
@@ -164,11 +164,6 @@ class CrossSiteController(PostTrainingController):
             write_text(path, text)
         write_text(self.store.root / "cross_val_results.md", matrix_markdown(matrix, names, notes) + "\n")
         self.info(f"cross-site matrix written to {self.store.root / RESULTS}")
-
-
-def key_of(model: str) -> str:
-    """The message prefix of a model: ``global`` or ``person.<site>``."""
-    return GLOBAL if model == "global" else f"{PERSON}.{model}"
 
 
 def source_of(folder: Path) -> str:

@@ -48,17 +48,8 @@ from pflseg.data.check import empty_split_error
 from pflseg.flare.outbox import Outgoing
 from pflseg.flare.privacy import Pseudonyms, public_text, report_local
 from pflseg.flare.settings import resolve_data, site_settings
-from pflseg.flare.state import (
-    RoundStore,
-    StateError,
-    claim,
-    file_stamp,
-    load_file,
-    prefixed,
-    save_file,
-    state_dir,
-    unprefixed,
-)
+from pflseg.flare.state import RoundStore, StateError, claim, file_stamp, load_file, save_file, state_dir
+from pflseg.flare.wire import GLOBAL, PERSON, prefixed, unprefixed
 from pflseg.nets import build_net
 from pflseg.train import (
     Hooks,
@@ -304,7 +295,7 @@ class Site:
     def model_for_round(self, received: dict, prev: dict) -> torch.nn.Module:
         """The method's model for this site now, from the ``received`` params and the site's state ``prev``
         (``previous``; {}: what was received alone); default: the received global model."""
-        self.net.load_state_dict({**self.net.state_dict(), **unprefixed("global", received)})
+        self.net.load_state_dict({**self.net.state_dict(), **unprefixed(GLOBAL, received)})
         return self.net
 
     def track(self, model, round_num: int) -> dict:
@@ -347,7 +338,7 @@ class Site:
 
     def upload(self, trained: dict) -> dict:
         """What the site sends after training; default: the whole trained model as the global update."""
-        return prefixed("global", trained)
+        return prefixed(GLOBAL, trained)
 
     def fit(self, model, name: str, prev: dict, seed: int, hooks: Hooks | None = None, lr: float | None = None,
             loss=None, batch_size: int | None = None, extra: torch.nn.Module | None = None,
@@ -380,7 +371,7 @@ class Site:
     #: SoftPull): the keys ``privacy.update.dp`` clips and noises (``pflseg.flare.privacy.private_update``). Anything
     #: else a method sends (FedSM's selector, its Adam moments, gradients or LDA statistics; LC-Fed's coarse head)
     #: goes as it is.
-    dp_prefixes: tuple[str, ...] = ("global.", "person.")
+    dp_prefixes: tuple[str, ...] = (GLOBAL + ".", PERSON + ".")
 
     def running_variances(self) -> list[str]:
         """Keys of batch norm's running variances under every ``dp_prefixes`` prefix (found by module type)."""
@@ -423,8 +414,8 @@ class Site:
         cases of the model the tables report for this site (own best if ``personalized``, else the global model)
         in ``<state>/overlays/`` (they stay at the site)."""
         metrics, shown = {}, None
-        if unprefixed("global", msg.params or {}):
-            self.net.load_state_dict({**self.net.state_dict(), **unprefixed("global", msg.params)})
+        if unprefixed(GLOBAL, msg.params or {}):
+            self.net.load_state_dict({**self.net.state_dict(), **unprefixed(GLOBAL, msg.params)})
             metrics["global"] = self.evaluate(self.net, "testing", surface=True)
             if not self.personalized:
                 shown = self.draw_overlays(self.net, metrics["global"])

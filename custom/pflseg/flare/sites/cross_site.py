@@ -21,7 +21,8 @@ from nvflare.app_common.abstract.fl_model import FLModel
 from pflseg.flare.outbox import Outgoing
 from pflseg.flare.settings import site_settings
 from pflseg.flare.sites.base import Site
-from pflseg.flare.state import inside, load_file, prefixed, state_dir, unprefixed
+from pflseg.flare.state import inside, load_file, state_dir
+from pflseg.flare.wire import SITE, model_prefix, prefixed, unprefixed
 from pflseg.nets import build_net
 
 
@@ -62,10 +63,10 @@ class CrossSiteSite(Site):
         elif not site_settings(self.name)["policy"]["publish"]:  # read now: the site may tighten it mid-job
             why = "the site's policy keeps it at the site (policy.publish: false)"
         else:
-            return self.reply(prefixed("site", model), {"own": scores}, published=1)
+            return self.reply(prefixed(SITE, model), {"own": scores}, published=1)
         return self.reply({}, {"own": scores}, published=0, why=why)
 
     def score(self, msg: FLModel) -> Outgoing:
         names = list(msg.meta["models"])
-        out = {m: self.scores(unprefixed("global" if m == "global" else f"person.{m}", msg.params)) for m in names}
+        out = {m: self.scores(unprefixed(model_prefix(m), msg.params)) for m in names}
         return self.reply({}, {"scores": out})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pflseg.algorithms.fedbn import norm_keys
 from pflseg.flare.sites.base import Site
-from pflseg.flare.state import prefixed, unprefixed
+from pflseg.flare.wire import GLOBAL, prefixed, unprefixed
 
 
 class FedBNSite(Site):
@@ -17,9 +17,9 @@ class FedBNSite(Site):
 
     def model_for_round(self, received: dict, prev: dict):
         own = unprefixed("model", prev)
-        self.net.load_state_dict({**self.net.state_dict(), **unprefixed("global", received),
+        self.net.load_state_dict({**self.net.state_dict(), **unprefixed(GLOBAL, received),
                                   **{k: v for k, v in own.items() if k in self.norm}})
         return self.net
 
     def upload(self, trained: dict) -> dict:
-        return prefixed("global", {k: v for k, v in trained.items() if k not in self.norm})
+        return prefixed(GLOBAL, {k: v for k, v in trained.items() if k not in self.norm})

@@ -54,7 +54,7 @@ from pflseg.algorithms.fedsm import (
 from pflseg.data import load_dataset_info
 from pflseg.flare.outbox import Outgoing
 from pflseg.flare.sites.base import Site, Step, cpu_state, trained_metrics
-from pflseg.flare.state import prefixed, unprefixed
+from pflseg.flare.wire import FAMILIAR, GLOBAL, GRAD, MOMENT, PERSON, SELECT, STATS, prefixed, split_by_site, unprefixed
 from pflseg.infer.fedsm import evaluate_super_model
 from pflseg.nets import build_net
 from pflseg.nets.selector import build_selector, selector_cfg
@@ -87,7 +87,7 @@ class FedSMSite(Site):
 
     def personalized_model(self, received: dict) -> torch.nn.Module:
         person = build_net(self.cfg["net"])
-        person.load_state_dict(unprefixed("person", received))
+        person.load_state_dict(unprefixed(PERSON, received))
         return person
 
     def step(self, received: FLModel, prev: dict, seed: int) -> Step:
@@ -106,7 +106,7 @@ class FedSMSite(Site):
             selector = self.received_selector(params, len(self.sites))
             scored = self.score_selector(selector, labels_of)  # before it is fitted on: the received one
             sel_params, sel_metrics = self.fit_selector(selector, labels_of, received, seed)
-        send = {**prefixed("global", cpu_state(glob)), **prefixed("person", cpu_state(person)), **sel_params}
+        send = {**prefixed(GLOBAL, cpu_state(glob)), **prefixed(PERSON, cpu_state(person)), **sel_params}
         metrics = trained_metrics({"val_dice": val_g["dice"], "val_dice_person": val_p["dice"]}, stats,
                                   {**scored, **sel_metrics})
         return Step(send, {"optim.global": optim_g, "optim.person": optim_p}, metrics, stats["samples"])
@@ -121,7 +121,7 @@ class FedSMSite(Site):
 
     def received_selector(self, params: dict, classes: int) -> torch.nn.Module:
         selector = build_selector(selector_cfg(self.cfg, classes))
-        selector.load_state_dict(unprefixed("select", params))
+        selector.load_state_dict(unprefixed(SELECT, params))
         return selector.to(self.device)
 
     def selector_input(self, batch: dict) -> torch.Tensor:
@@ -167,7 +167,7 @@ class FedSMSite(Site):
             dtype = self.autocast_dtype()
             pairs = ((self.selector_input(b), labels_of(b)) for b in self.batches("training"))
             grads, loss = selector_gradient(selector if dtype is None else _AmpSelector(selector, dtype), pairs)
-            return prefixed("grad", grads), {"selector_loss": loss / len(self.data("training"))}
+            return prefixed(GRAD, grads), {"selector_loss": loss / len(self.data("training"))}
         return self.train_selector_batches(selector, labels_of, msg, seed)
 
     @torch.no_grad()
@@ -183,7 +183,7 @@ class FedSMSite(Site):
             logits = amp_forward(selector.classifier, features, dtype)
             ce += float(torch.nn.functional.cross_entropy(logits, labels.to(features.device), reduction="sum"))
             n += labels.shape[0]
-        return prefixed("stats", add_statistics(stats)), {"selector_loss": ce / max(n, 1)}
+        return prefixed(STATS, add_statistics(stats)), {"selector_loss": ce / max(n, 1)}
 
     def train_selector_batches(self, selector, labels_of, msg: FLModel, seed: int) -> tuple[dict, dict]:
         """softmax, batch (paper): ``fedsm.selector_epochs`` epochs of per-batch Adam on cross-entropy against
@@ -193,7 +193,7 @@ class FedSMSite(Site):
         cfg = self.cfg
         dtype = self.autocast_dtype()
         scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
-        moments = unprefixed("moment", msg.params)
+        moments = unprefixed(MOMENT, msg.params)
         optimizer = build_optimizer(selector, self.device, cfg["fedsm"]["selector_lr"])
         if moments:
             optimizer.load_state_dict(unflatten_optimizer_state(moments, optimizer.state_dict()["param_groups"]))
@@ -210,7 +210,7 @@ class FedSMSite(Site):
                              Hooks(step=step))
         local = self.score_selector(selector, labels_of, local=True)
         moments = flatten_optimizer_state(optimizer.state_dict())
-        params = {**prefixed("select", cpu_state(selector)), **prefixed("moment", moments)}
+        params = {**prefixed(SELECT, cpu_state(selector)), **prefixed(MOMENT, moments)}
         return params, {"selector_loss": stats["loss"], **local}
 
     def train_selector(self, msg: FLModel) -> Outgoing:
@@ -222,9 +222,10 @@ class FedSMSite(Site):
         """FedSM-extra round: label each training sample with the candidate model (0 = global, k + 1 =
         personalized model of site k) of lowest segmentation loss on it, and train the (K+1)-class selector."""
         candidates = []  # 0 = global, k + 1 = personalized model of site k
-        for prefix in ["global"] + [f"person.{site}" for site in self.sites]:
+        sent = received.params
+        for state in [unprefixed(GLOBAL, sent), *split_by_site(PERSON, sent, self.sites).values()]:
             net = build_net(self.cfg["net"])
-            net.load_state_dict(unprefixed(prefix, received.params))
+            net.load_state_dict(state)
             candidates.append(net.to(self.device).eval())
         dtype = self.autocast_dtype()
         per_sample = build_loss(self.cfg["train"]["loss"], reduction="none")
@@ -248,7 +249,7 @@ class FedSMSite(Site):
         val = self.evaluate(self.model_for_round(msg.params, {}))
         val_p = self.track(self.personalized_model(msg.params), msg.current_round)
         metrics = {"val_dice": val["dice"], "val_dice_person": val_p["dice"]}
-        if unprefixed("select", msg.params):
+        if unprefixed(SELECT, msg.params):
             selector = self.received_selector(msg.params, len(self.sites))
             metrics.update(self.score_selector(selector, self.site_labels(self.sites.index(self.name))))
         return self.reply({}, metrics)
@@ -265,11 +266,11 @@ class FedSMInferenceSite(Site):
         every gamma, write predictions."""
         inside = list(msg.meta["inside_sites"])
         models = []
-        for prefix in ["global"] + [f"person.{site}" for site in inside]:
+        for state in [unprefixed(GLOBAL, msg.params), *split_by_site(PERSON, msg.params, inside).values()]:
             net = build_net(self.cfg["net"])
-            net.load_state_dict(unprefixed(prefix, msg.params))
+            net.load_state_dict(state)
             models.append(net)
-        select = unprefixed("select", msg.params)
+        select = unprefixed(SELECT, msg.params)
         classes = [v for v in select.values() if v.ndim == 2][-1].shape[0]  # the head's output size
         extra = classes == len(inside) + 1
         # the trained run's selector form (its weights tell), input rule and temperature (a bundle without them:
@@ -283,7 +284,7 @@ class FedSMInferenceSite(Site):
                       selector_input=msg.meta.get("selector_input", "zscore"),
                       temperature=float(msg.meta.get("selector_temperature", 1.0)), amp=self.cfg["train"]["amp"],
                       mixing=fedsm["mixing"])
-        familiarity = unprefixed("familiar", msg.params) or None
+        familiarity = unprefixed(FAMILIAR, msg.params) or None
         tau = msg.meta.get("familiar_tau")
         fallback = dict(familiarity=familiarity, familiar_tau=float(tau)) if familiarity and tau is not None else {}
         data = self.data("testing") if own is not None else self.all_images()  # an outside site: every image

@@ -27,7 +27,8 @@ from pflseg.flare.outbox import Outgoing
 from pflseg.flare.policy import check_publish
 from pflseg.flare.settings import site_settings
 from pflseg.flare.sites.base import Site, Step, cpu_state, trained_metrics
-from pflseg.flare.state import load_file, prefixed, unprefixed
+from pflseg.flare.state import load_file
+from pflseg.flare.wire import GLOBAL, PERSON, SITE, prefixed, split_by_site, unprefixed
 from pflseg.infer.routing import route_site
 from pflseg.nets import build_net
 from pflseg.train import derive_seed
@@ -58,7 +59,7 @@ class IOPFLSite(Site):
             stats, optim = self.fit(model, "model", prev, seed)
         local = cpu_state(model)
         iopfl = cfg["iopfl"]
-        person = update_person(iopfl["rule"], unprefixed("person", prev) or None, local, glob,
+        person = update_person(iopfl["rule"], unprefixed(PERSON, prev) or None, local, glob,
                                unprefixed("globalin", prev) or None, iopfl["tau"])
         net = build_net(cfg["net"])
         net.load_state_dict(person)
@@ -66,8 +67,8 @@ class IOPFLSite(Site):
         tested = ({"test_dice_global": test_g["dice"], "test_dice_person": self.evaluate(net, "testing")["dice"]}
                   if round_test else None)
         metrics = trained_metrics({"val_dice": val_g["dice"], "val_dice_person": val_p["dice"]}, stats, extra=tested)
-        keep = {"optim.model": optim, **prefixed("person", person), **prefixed("globalin", glob)}
-        return Step(prefixed("global", local), keep, metrics, stats["samples"])
+        keep = {"optim.model": optim, **prefixed(PERSON, person), **prefixed("globalin", glob)}
+        return Step(prefixed(GLOBAL, local), keep, metrics, stats["samples"])
 
     def validate(self, msg: FLModel) -> Outgoing:
         """Score the global model only (the best P_k is tracked during training, by validation Dice)."""
@@ -78,7 +79,7 @@ class IOPFLSite(Site):
         (``iopfl.publish``) and the site's policy lets it leave (``pflseg.flare.policy.check_publish``)."""
         check_publish(self.name, self.cfg, site_settings(self.name))
         best = load_file(self.best_path)
-        return self.reply(prefixed("site", unprefixed("model", best)), {}, round=best["round"],
+        return self.reply(prefixed(SITE, unprefixed("model", best)), {}, round=best["round"],
                           fg_fraction=self.label_fraction())
 
     def label_fraction(self) -> list[float]:
@@ -100,10 +101,10 @@ class IOPFLRoutingSite(Site):
         if self.name in inside:
             raise ValueError(f"site {self.name} trained in the federation: test-time routing is for outside sites; "
                              f"remove it from iopfl.targets")
-        experts = []
-        for prefix in [f"person.{s}" for s in inside] + ["global"]:
+        experts = []  # P_1..P_K, then w_g
+        for state in [*split_by_site(PERSON, msg.params, inside).values(), unprefixed(GLOBAL, msg.params)]:
             net = build_net(self.cfg["net"])
-            net.load_state_dict(unprefixed(prefix, msg.params))
+            net.load_state_dict(state)
             experts.append(net)
         data = self.all_images()  # used without labels
         result = route_site(experts[:-1], experts[-1], data, self.device, self.cfg["iopfl"],

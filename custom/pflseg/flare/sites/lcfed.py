@@ -27,7 +27,8 @@ from nvflare.app_common.abstract.fl_model import FLModel
 from pflseg.algorithms.lcfed import SitePredictor, exchanges_heads, lcfed_step, set_phase
 from pflseg.flare.outbox import Outgoing
 from pflseg.flare.sites.base import Site, Step, cpu_state, trained_metrics
-from pflseg.flare.state import load_file, prefixed, unprefixed
+from pflseg.flare.state import load_file
+from pflseg.flare.wire import GLOBAL, HEAD, HEADS, by_site, prefixed, split_by_site, unprefixed
 from pflseg.nets.lcfed import shared_keys
 from pflseg.train import Hooks
 
@@ -81,9 +82,9 @@ class LCFedSite(Site):
         received (by site)."""
         state = dict(self.net.state_dict())
         state.update(unprefixed("model", prev))
-        state.update(unprefixed("global", received))
+        state.update(unprefixed(GLOBAL, received))
         self.net.load_state_dict(state)
-        heads = {s: unprefixed(f"heads.{s}", received) for s in self.sites if s != self.name}
+        heads = split_by_site(HEADS, received, [s for s in self.sites if s != self.name])
         return self.predictor({s: h for s, h in heads.items() if h})
 
     def predictor(self, heads: dict) -> HeadsPredictor:
@@ -91,10 +92,7 @@ class LCFedSite(Site):
 
     def best_state(self, model) -> dict:
         """The site's net (``model.``) and the other sites' heads it predicted with (``heads.<site>.``)."""
-        kept = prefixed("model", cpu_state(model.model))
-        for site, head in model.heads.items():
-            kept.update(prefixed(f"heads.{site}", head))
-        return kept
+        return {**prefixed("model", cpu_state(model.model)), **by_site(HEADS, model.heads)}
 
     def schedule(self, heads: dict, total: int) -> Hooks:
         """The loop's step: ``lcfed_step``; of a round of ``total`` iterations the first ``head_first_count`` train
@@ -124,9 +122,9 @@ class LCFedSite(Site):
             finally:
                 set_phase(net, "all")
         trained = cpu_state(net)
-        send = prefixed("global", {k: trained[k] for k in self.shared})
+        send = prefixed(GLOBAL, {k: trained[k] for k in self.shared})
         if exchanges_heads(self.step_cfg):  # the other sites' disagreement maps need this site's coarse head
-            send.update(prefixed("head", cpu_state(net.head)))
+            send.update(prefixed(HEAD, cpu_state(net.head)))
         after = self.track(model, r + 1)  # the personalized model: after local training (of round r + 1)
         metrics = trained_metrics({"val_dice": val["dice"], "val_dice_local": after["dice"]}, stats)
         return Step(send, {"optim.model": optim, **prefixed("model", trained)}, metrics, stats["samples"])
@@ -137,7 +135,7 @@ class LCFedSite(Site):
         reported model, calibrated heads included) go to ``<state>/overlays/``, as for every other method."""
         best = load_file(self.best_path)
         self.net.load_state_dict(unprefixed("model", best))
-        heads = {s: unprefixed(f"heads.{s}", best) for s in self.sites if unprefixed(f"heads.{s}", best)}
+        heads = {s: head for s, head in split_by_site(HEADS, best, self.sites).items() if head}
         metrics = {"site": {**self.evaluate(self.predictor(heads), "testing", surface=True),
                             "selected_round": best["round"]}}
         self.draw_overlays(self.predictor(heads), metrics["site"])

@@ -4,7 +4,7 @@ round 0, then from its own previous round on disk); nothing leaves the site but 
 from __future__ import annotations
 
 from pflseg.flare.sites.base import Site
-from pflseg.flare.state import unprefixed
+from pflseg.flare.wire import GLOBAL, unprefixed
 
 
 class LocalSite(Site):
@@ -13,7 +13,7 @@ class LocalSite(Site):
 
     def model_for_round(self, received: dict, prev: dict):
         own = unprefixed("model", prev)  # none in round 0 (or when the site joins late): the common initial model
-        self.net.load_state_dict({**self.net.state_dict(), **(own or unprefixed("global", received))})
+        self.net.load_state_dict({**self.net.state_dict(), **(own or unprefixed(GLOBAL, received))})
         return self.net
 
     def upload(self, trained: dict) -> dict:
