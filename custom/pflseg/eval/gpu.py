@@ -28,9 +28,10 @@ processes' own (a container without the host's PID namespace), the per-site colu
 whole GPU's used memory (``--query-gpu=memory.used``) is reported instead.
 
 ``--dry-run`` runs every step on the CPU at the smallest sizes (1 round, 2 sites, 16 px, one method, ``DRY_EXTRA``:
-one epoch and a tiny U-Net): the gpu tests are collected and skipped, the device is the CPU and the "GPU memory"
-column is the sites' host memory (PSS), each marked "dry run". It exists so the test suite runs this command end to
-end and it cannot rot before a GPU is lent. Everything lands in ``<workspace>/gpu.json`` and ``<workspace>/gpu.md``.
+one epoch and a tiny U-Net; ``DRY_SPLIT`` cases per site of ``DRY_DEPTH`` slices): the gpu tests are collected and
+skipped, the device is the CPU and the "GPU memory" column is the sites' host memory (PSS), each marked "dry run".
+It exists so the test suite runs this command end to end and it cannot rot before a GPU is lent. Everything lands in
+``<workspace>/gpu.json`` and ``<workspace>/gpu.md``.
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ SITES_EPOCHS = 8
 #: the dry run's config on top: one epoch, no AdaBN control, a tiny U-Net (UNet jobs only); its one method is the
 #: registry's (``Method.reports``: ``gpu-dry-run``)
 DRY_EXTRA = {"train": {"epochs": 1, "adabn": False}, "net": {"channels": [4, 8, 16], "strides": [2, 2]}}
+#: the dry run's data: cases per site for training / validation / test (one in each split at least) and slices per
+#: case, for every step (the full check's: the default root's 10-12 cases of 12 slices, the demo preset's 13-19 of 8)
+DRY_SPLIT, DRY_DEPTH = (3, 1, 1), 6
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,9 @@ class Plan:
     sites_extra: dict = field(default_factory=dict)
     #: config overrides on top of the demo's settings (the dry run: one epoch)
     extra: dict = field(default_factory=dict)
+    #: cases per site (training, validation, test) and slices per case of every step's data; None: the data's own
+    split: tuple[int, int, int] | None = None
+    depth: int | None = None
 
 
 def demo_methods() -> tuple[str, ...]:
@@ -110,7 +117,7 @@ def make_plan(dry_run: bool = False) -> Plan:
         from pflseg.flare.methods import report_jobs
 
         return Plan(True, rounds=1, methods=report_jobs("gpu-dry-run"), sites=(2,), size=16, sites_size=16,
-                    extra=DRY_EXTRA)
+                    extra=DRY_EXTRA, split=DRY_SPLIT, depth=DRY_DEPTH)
     return Plan(False, rounds=2, methods=demo_methods(), sites=(3, 6), size=None,
                 sites_extra={"train": {"epochs": SITES_EPOCHS}})
 
@@ -355,14 +362,36 @@ def demo_size() -> int:
     return int(PRESETS[PRESET]["size"])
 
 
-def demo_root(ws: Path, size: int | None) -> Path:
-    """The demo's data preset (at ``size``; None: the preset's), made once in ``<ws>/data``."""
+def demo_root(ws: Path, plan: Plan) -> Path:
+    """The demo's data preset (at ``plan.size``; None: the preset's; with ``plan.split`` cases at every site and
+    ``plan.depth`` slices where set), made once in ``<ws>/data``."""
     from pflseg.data import make_synthetic
+    from pflseg.data.synth import PRESETS
     from pflseg.eval.demo import PRESET
 
-    root = ws / "data" / f"{PRESET}_size{size or demo_size()}"
+    preset: str | dict = PRESET
+    if plan.split is not None:
+        spec = PRESETS[PRESET]
+        preset = {**spec, "inside": tuple({**site, "split": plan.split} for site in spec["inside"]),
+                  "outside_split": plan.split}
+    root = ws / "data" / f"{PRESET}_size{plan.size or demo_size()}"
     if not (root / "dataset.json").is_file():
-        make_synthetic(root, preset=PRESET, seed=0, size=size)
+        make_synthetic(root, preset=preset, seed=0, size=plan.size, depth=plan.depth)
+    return root
+
+
+def sites_root(ws: Path, plan: Plan, n_sites: int) -> Path:
+    """The data of the sites, reference and plain steps: ``pflseg.eval.speed.data_root``'s, or with ``plan.split``
+    cases per site and ``plan.depth`` slices where set (made once in ``<ws>/data``)."""
+    from pflseg.data import make_synthetic
+    from pflseg.eval import speed
+
+    if plan.split is None:
+        return speed.data_root(ws, n_sites, plan.sites_size)
+    root = ws / "data" / f"sites{n_sites}_size{plan.sites_size}_cases{sum(plan.split)}"
+    if not (root / "dataset.json").is_file():
+        make_synthetic(root, n_sites=n_sites + 1, cases=sum(plan.split), size=plan.sites_size, depth=plan.depth,
+                       seed=0)
     return root
 
 
@@ -409,14 +438,13 @@ def run(workspace: str | Path, dry_run: bool = False, budget: float | None = Non
                     ref = next(r for r in result["runs"] if r["step"] == "sites" and r["sites"] == step["sites"])
                     names = [f"site-{i + 1}" for i in range(step["sites"])]
                     t0 = time.time()
-                    plain = speed.plain_rounds(speed.data_root(ws, step["sites"], plan.sites_size), names,
+                    plain = speed.plain_rounds(sites_root(ws, plan, step["sites"]), names,
                                                job_config(ref["job_dir"]), plan.rounds,
                                                speed.threads_per_site(step["sites"]))
                     row = speed.compare(speed.round_costs(ref["history"]), plain, ref["executor"], "sim")
                     result["plain"] = {**step, **row, "seconds": time.time() - t0, "per_site": plain}
                 else:
-                    root = (demo_root(ws, plan.size) if step["step"] == "amp"
-                            else speed.data_root(ws, step["sites"], plan.sites_size))
+                    root = demo_root(ws, plan) if step["step"] == "amp" else sites_root(ws, plan, step["sites"])
                     env = {"PFLSEG_DEVICE": "cpu"} if step["device"] == "cpu" else {}
                     with _environ(**env):
                         result["runs"].append(sim_run(ws, step, root, _overrides(plan, step),
