@@ -48,6 +48,7 @@ from pflseg.flare.jobs import export_job
 from pflseg.flare.methods import BACKBONES, METHODS, OUTSIDE_REFERENCE, REFERENCE, TREATMENTS
 from pflseg.flare.privacy import SALT_FILE
 from pflseg.flare.state import RoundStore, private_dir, unprefixed
+from pflseg.flare.wire import BEST, GLOBAL
 from pflseg.markdown import diff_cell, markdown_table
 from pflseg.nets import build_net
 from pflseg.train import evaluate
@@ -424,7 +425,7 @@ class Bench:
         res = self.results(seed, fold, job)
         ckpt = RoundStore(server_state(self.run_dir(seed, fold, job), job)).final()
         net = build_net(res["config"]["net"])
-        net.load_state_dict({**net.state_dict(), **(unprefixed("best", ckpt) or unprefixed("global", ckpt))})
+        net.load_state_dict({**net.state_dict(), **(unprefixed(BEST, ckpt) or unprefixed(GLOBAL, ckpt))})
         parts = []
         for split in ("training", "validation", "testing"):
             try:

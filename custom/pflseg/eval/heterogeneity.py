@@ -28,6 +28,7 @@ from pflseg.eval.progress import RunProgress
 from pflseg.flare.jobs import export_job
 from pflseg.flare.methods import REFERENCE_JOB
 from pflseg.flare.state import RoundStore, load_file, unprefixed
+from pflseg.flare.wire import BEST
 from pflseg.markdown import markdown_table
 from pflseg.nets import build_net
 from pflseg.train import evaluate
@@ -122,7 +123,7 @@ def measure(workspace: str | Path, rounds: int = 20, task: str = "prostate", see
     for site in inside:
         models[f"local:{site}"] = unprefixed("model", load_file(ws / "local" / "state" / site / "local" / "best.pt"))
     store = RoundStore(server_state(ws / REFERENCE_JOB, REFERENCE_JOB))
-    models[REFERENCE_JOB] = unprefixed("best", store.final())
+    models[REFERENCE_JOB] = unprefixed(BEST, store.final())
     matrix = {name: _score(state, cfg, root, sites) for name, state in models.items()}
     n_train = {s: len(site_dataset(root, s, "training", size=cfg["data"]["size"])) for s in inside}
     report = {"preset": preset, "seed": seed, "rounds": rounds, **summarise(matrix, kinds, n_train)}

@@ -32,6 +32,7 @@ from pflseg.algorithms.routing import build_routed_model, loss_weights
 from pflseg.data import site_dataset
 from pflseg.flare.methods import METHODS
 from pflseg.flare.state import load_file, private_dir, unprefixed
+from pflseg.flare.wire import GLOBAL, model_prefix
 from pflseg.infer.routing import _trainable, adapt, budget, final_loss, predict, settings
 from pflseg.nets import build_net
 from pflseg.train.loop import seed_everything
@@ -125,7 +126,7 @@ def validate_routing(bundle: str | Path, run_config: dict, data: str | Path, sit
     net_cfg, size = run_config["net"], run_config["data"]["size"]
     section = METHODS[run_config["method"]].sections[0]  # the run's routing settings: its method's own section
     experts = []
-    for prefix in [f"person.{s}" for s in b["sites"]] + ["global"]:
+    for prefix in [model_prefix(s) for s in b["sites"]] + [GLOBAL]:
         net = build_net(net_cfg)
         net.load_state_dict(unprefixed(prefix, b))
         experts.append(net.eval())

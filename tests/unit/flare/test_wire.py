@@ -77,9 +77,10 @@ path = root / "best.pt"
     assert hand_spelled_prefixes(named) == []
 
 
-def test_no_flare_module_spells_a_wire_prefix_by_hand():
-    """Issue 40 item 4: sites, controllers and the rest of flare/ name message prefixes through wire.py only."""
-    folder = Path(wire.__file__).parent
+def test_no_module_spells_a_wire_prefix_by_hand():
+    """Issue 40 item 4: sites, controllers, the evaluation and the rest of the package name message prefixes
+    through wire.py only."""
+    folder = Path(wire.__file__).parent.parent
     found = {str(p.relative_to(folder)): hand_spelled_prefixes(p.read_text()) for p in sorted(folder.rglob("*.py"))
              if p.name != "wire.py"}
     assert {path: hits for path, hits in found.items() if hits} == {}
