@@ -102,8 +102,6 @@ def merge(base: Mapping, override: Mapping, source: str = "override", prefix: st
     return out
 
 
-#: keys that take true / false or a list (iopfl.comparators: every method, routing only, or these)
-BOOL_OR_LIST = {"iopfl.comparators"}
 #: ``train.amp``: mixed precision of the sites' forward passes (``pflseg.train.loop.amp_dtype``)
 AMP_MODES = ("off", "bf16", "fp16")
 #: string keys whose value "off" YAML reads as false when unquoted (``amp: off``, ``--set train.amp=off``): false
@@ -114,7 +112,7 @@ OFF_STRINGS = {"train.amp"}
 def _coerce(default, value, dotted: str, source: str):
     if dotted in OFF_STRINGS and isinstance(value, bool):
         return value or "off"
-    if default is None or value is None or (dotted in BOOL_OR_LIST and isinstance(value, (bool, list))):
+    if default is None or value is None:
         return value
     if isinstance(default, bool):
         if isinstance(value, bool):

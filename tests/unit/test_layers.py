@@ -179,9 +179,9 @@ def test_config_reads_no_methods_section():
 
 
 #: files outside the registry that still name a method or read a method's section or results (issue 40 item 2),
-#: each to go: config.py's ``iopfl.comparators`` (true / false / a list, a type only that key takes). The test fails
-#: when a file not listed names one, and when a listed file no longer does (then strike it off).
-NAMING_DEBTS = {"config.py"}
+#: each to go (none left). The test fails when a file not listed names one, and when a listed file no longer does
+#: (then strike it off).
+NAMING_DEBTS: set[str] = set()
 
 
 def test_eval_cli_deploy_and_config_name_no_method_and_no_methods_section():

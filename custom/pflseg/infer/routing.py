@@ -43,6 +43,8 @@ NORM = {"global": "running", "global_bn": "batch", "average": "running", "averag
         "tent_average": "batch", "routing_global": "batch", "routing_layer": "batch", "routing": "batch",
         "routing_final": "batch"}
 METHODS = tuple(NORM)
+#: the methods scored beside routing (``iopfl.comparators``'s default: every one)
+COMPARATORS = tuple(m for m in METHODS if m not in ("routing", "routing_final"))
 #: the routing variants' display names, the one naming of every table (bench, demo, ``pflseg run``) and docs/methods.md
 LABELS = {"routing": "IOP-FL routing", "routing_global": "IOP-FL routing (Global)",
           "routing_layer": "IOP-FL routing (per layer, ours)", "routing_final": "IOP-FL routing (final model)"}
@@ -408,14 +410,13 @@ def mean_coefficients(routed: nn.Module, dataset: Dataset, device, batch_size: i
     return out
 
 
-def _methods(comparators: bool | list) -> list[str]:
+def _methods(comparators) -> list[str]:
     """The methods :func:`route_site` scores, in table order: ``routing`` and ``routing_final``, and the comparators
-    asked for (True: all, False: none, a list: these; an unknown name raises)."""
-    unknown = [m for m in comparators if m not in METHODS] if isinstance(comparators, list) else []
+    named (``COMPARATORS`` or some of them; [] = routing only; an unknown name raises)."""
+    unknown = [m for m in comparators if m not in COMPARATORS]
     if unknown:
-        raise ValueError(f"iopfl.comparators: unknown {unknown}; known: {', '.join(METHODS)}")
-    return [m for m in METHODS
-            if m in ("routing", "routing_final") or comparators is True or (comparators and m in comparators)]
+        raise ValueError(f"iopfl.comparators: unknown {unknown}; known: {', '.join(COMPARATORS)}")
+    return [m for m in METHODS if m in ("routing", "routing_final") or m in comparators]
 
 
 def _first_pass(static: StaticComparators | None, dataset: Dataset, device, batch_size: int, seed: int,
@@ -475,7 +476,7 @@ def _by_case(samples: dict[tuple, dict], preds: dict[str, dict], names: list[str
 
 
 def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Dataset, device, cfg: dict, seed: int = 0,
-               out_dir: str | Path | None = None, label_encoding: str = "nested", comparators: bool | list = True,
+               out_dir: str | Path | None = None, label_encoding: str = "nested", comparators=COMPARATORS,
                batch_size: int = 32, amp: str = "off", prior: Sequence[float] | None = None) -> dict:
     """Route ``dataset`` through the bundle and score every method (METHODS.md, IOP-FL, outside).
 
@@ -488,7 +489,7 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
             method's test batch.
         seed: the shuffled order of the batches (the same for every method), the router init and the noise.
         out_dir: where the routing predictions are written (one file per case).
-        comparators: True: score every method of ``METHODS``; False: routing only; a list: routing and these.
+        comparators: the methods scored beside routing (default: every one of ``COMPARATORS``; [] = routing only).
         batch_size: batch of :func:`mean_coefficients` (no gradient).
         amp: ``train.amp`` (off | bf16 | fp16) of every method's forward passes (METHODS.md).
         prior: the size prior, one foreground fraction per class (the inside sites' training labels, shared with

@@ -25,12 +25,17 @@ def test_wrong_type_is_an_error():
         merge({"rounds": 3}, {"rounds": "three"}, "x.yaml")
 
 
-def test_routing_comparators_take_a_flag_or_a_list_and_nothing_else():
+def test_routing_comparators_are_a_list_of_names_and_nothing_else():
+    from pflseg.flare.methods import method
+    from pflseg.infer.routing import COMPARATORS
+
+    assert load_job_config("iopfl_route")["iopfl"]["comparators"] == list(COMPARATORS)  # the default: every one
     assert (load_job_config("iopfl_route", overrides={"iopfl": {"comparators": ["tent"]}})["iopfl"]["comparators"]
             == ["tent"])
-    assert load_job_config("iopfl_route", overrides={"iopfl": {"comparators": False}})["iopfl"]["comparators"] is False
-    with pytest.raises(ConfigError, match="iopfl.comparators"):
-        load_job_config("iopfl_route", overrides={"iopfl": {"comparators": "tent"}})
+    assert load_job_config("iopfl_route", overrides={"iopfl": {"comparators": []}})["iopfl"]["comparators"] == []
+    for bad in ("tent", False, [1], ["tnet"]):  # the type (config), the names (the method's check_config)
+        with pytest.raises(ConfigError, match="iopfl.comparators"):
+            method(load_job_config("iopfl_route", overrides={"iopfl": {"comparators": bad}}))
 
 
 def test_int_is_accepted_for_float_and_override_wins():

@@ -162,7 +162,7 @@ def test_the_step_budget_follows_the_config():
                     budget(len(data), cfg))
         # assert: that many steps, pass after pass (5 images a pass: 6 steps = 2 passes, 7 = 2 passes + 1 batch)
         assert run["steps"] == want and run["visits"] == visits
-    res = route_site(experts[:2], experts[2], data, "cpu", {**CFG, "steps": 4}, comparators=False)
+    res = route_site(experts[:2], experts[2], data, "cpu", {**CFG, "steps": 4}, comparators=[])
     assert res["diagnostics"]["adaptation"]["routing"]["steps"] == 4 and res["diagnostics"]["settings"]["steps"] == 4
 
 
@@ -232,7 +232,7 @@ def test_a_refused_run_keeps_the_starting_model(tolerance, refused):
     experts, data = nets(), [sample("c" * n, True) for n in range(1, 6)]
     cfg = {**CFG, "router": "normalised", "lr_grid": [0.5], "lr_guard": tolerance}
     # execute
-    res = route_site(experts[:2], experts[2], data, "cpu", cfg, comparators=False)
+    res = route_site(experts[:2], experts[2], data, "cpu", cfg, comparators=[])
     run = res["diagnostics"]["adaptation"]["routing"]
     # assert: refused = routing predicts as the start (routing_step0) and its routers report no movement
     assert run["foreground"] != run["start_foreground"] and run["refused"] is refused
@@ -248,7 +248,7 @@ def test_the_rate_routing_keeps_is_the_one_of_lowest_final_unsupervised_loss(tri
     cfg = {**CFG, "router": "normalised", "lr_grid": [1e-3, 1e-1, 1.0], "epochs": 2, "lr_trial_steps": trial_steps,
            "lr_guard": 0.0}  # no collapse guard
     # execute
-    res = route_site(experts[:2], experts[2], data, "cpu", cfg, comparators=False)
+    res = route_site(experts[:2], experts[2], data, "cpu", cfg, comparators=[])
     run = res["diagnostics"]["adaptation"]["routing"]
     # assert: the chosen rate is the grid's argmin, and its loss is the final loss of a run at that rate
     grid = run["lr_grid"]

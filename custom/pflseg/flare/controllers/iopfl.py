@@ -25,6 +25,7 @@ from pflseg.flare.controllers.base import PostTrainingController
 from pflseg.flare.controllers.fedavg import FedAvgController
 from pflseg.flare.state import load_file, save_file
 from pflseg.flare.wire import GLOBAL, PERSON, SITE, by_site, only, prefixed, unprefixed
+from pflseg.infer.routing import COMPARATORS as ROUTE_SCORED
 from pflseg.infer.routing import LABELS as ROUTE_LABELS
 from pflseg.infer.routing import METHODS as ROUTE_METHODS
 from pflseg.infer.routing import NORM as ROUTE_NORM
@@ -65,11 +66,10 @@ class IOPFLSection:
                                   or not 0 <= guard <= 10):
             raise ConfigError(f"{source}: iopfl.lr_guard must be null or a relative tolerance in [0, 10] (0 = no "
                               f"collapse guard), got {guard!r}")
-        comparators = iopfl["comparators"]
-        if not isinstance(comparators, bool) and not (isinstance(comparators, list)
-                                                      and all(isinstance(m, str) for m in comparators)):
-            raise ConfigError(f"{source}: iopfl.comparators must be true, false or a list of method names (e.g. "
-                              f"[global, global_bn, tent]), got {comparators!r}")
+        unknown = [m for m in iopfl["comparators"] if m not in ROUTE_SCORED]
+        if unknown:
+            raise ConfigError(f"{source}: iopfl.comparators: unknown {unknown}; a list of {', '.join(ROUTE_SCORED)} "
+                              "([] = routing only)")
         if isinstance(iopfl["lr"], bool) or not iopfl["lr"] >= 0:
             raise ConfigError(f"{source}: iopfl.lr must be >= 0, got {iopfl['lr']!r}")
         if not 0.0 <= iopfl["tau"] <= 1.0:
