@@ -7,7 +7,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "custom" / "pflseg"
 #: lower index = lower layer; a module may import its own layer and those below it
-LAYERS = ["algorithms", "nets", "data|train|config|markdown", "infer", "flare", "deploy", "eval", "cli"]
+LAYERS = ["algorithms", "nets", "data|train|config|markdown|progress", "infer", "flare", "deploy", "eval", "cli"]
 
 
 def layer_of(module: str) -> int:

@@ -27,7 +27,7 @@ from pflseg.data.errors import (
 )
 from pflseg.data.files import is_nifti, mask_plane, n_channels, read_array, spatial_shape
 from pflseg.data.labels import label_problem
-from pflseg.train.progress import Progress
+from pflseg.progress import Progress
 
 SPACING_RTOL = 1e-3
 #: problems ``pflseg data check`` reports but a site's ``require_valid`` lets pass: an empty validation or test
@@ -43,7 +43,7 @@ def check_dataset(root: str | Path, sites: list[str] | None = None, say=None) ->
         root: Data root (dataset.json + one folder per site).
         sites: Check only these sites (a site checks its own data: another site's bad file is not its
             problem); None: every site of dataset.json.
-        say: Where progress lines go every 10 s while the files are read (``pflseg.train.progress``; default the
+        say: Where progress lines go every 10 s while the files are read (``pflseg.progress``; default the
             ``pflseg.progress`` logger).
 
     Returns:

@@ -128,7 +128,7 @@ import numpy as np
 
 from pflseg.data.datalist import claim_out, split_cases, write_datalist, write_dataset_json
 from pflseg.data.files import private_dir
-from pflseg.train.progress import Progress
+from pflseg.progress import Progress
 
 TASKS = ("prostate", "fundus")
 FOV_MM = 160.0
@@ -431,7 +431,7 @@ def make_synthetic(
         preset: A name in :data:`PRESETS` ("bench", "demo") or a dict of the same form.
         outside: With a preset: the outside sites' kinds, e.g. ("near_copy", "blend", "extrapolate").
         near_copy_of: With a preset: the inside site a near_copy outside site copies.
-        say: Where progress lines go every 10 s while cases are rendered (``pflseg.train.progress``; default the
+        say: Where progress lines go every 10 s while cases are rendered (``pflseg.progress``; default the
             ``pflseg.progress`` logger: FLARE's log at a site).
 
     Returns:

@@ -24,7 +24,7 @@ from pflseg.deploy.sampling import GIB, MemorySampler, tree
 from pflseg.deploy.workspace import finish_record, job_config, record_run, server_state, workspace_lock
 from pflseg.flare.allowlist import add_to_resources
 from pflseg.flare.state import RoundStore
-from pflseg.train.progress import PREFIX, duration
+from pflseg.progress import PREFIX, duration
 
 
 class Interrupted(BaseException):
@@ -237,7 +237,7 @@ class Heard:
     """What the terminal has been told of a running simulator, and what to say after ``SILENCE_S`` of silence.
 
     Round lines ("round k done in W s") get an ETA for the rounds left (the mean wall of the rounds after the first,
-    which holds the sites' start-up); progress lines of the sites (``pflseg.train.progress``: data synthesis,
+    which holds the sites' start-up); progress lines of the sites (``pflseg.progress``: data synthesis,
     inference, routing) are relayed as they come. ``rounds`` is 0 for a post-training job (no rounds).
     """
 

@@ -68,10 +68,10 @@ from pflseg.algorithms.fedsm import (
     route_extra,
     selector_view,
 )
+from pflseg.progress import Progress
 from pflseg.train.evaluate import amp_forward
 from pflseg.train.loop import amp_dtype, make_loader
 from pflseg.train.predictions import case_dice, case_names, case_sources, write_predictions
-from pflseg.train.progress import Progress
 
 #: Key of the FedSM-extra route in the result's ``"super"`` dict.
 EXTRA = "extra"

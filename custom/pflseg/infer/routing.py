@@ -32,10 +32,10 @@ from pflseg.algorithms.routing import (
     unsupervised_loss,
     use_batch_stats,
 )
+from pflseg.progress import Progress
 from pflseg.train.evaluate import amp_forward, amp_model
 from pflseg.train.loop import Hooks, amp_dtype, backward_step, make_loader, seed_everything, train_epochs
 from pflseg.train.predictions import case_dice, case_names, case_sources, write_predictions
-from pflseg.train.progress import Progress
 
 #: every method :func:`route_site` scores, in table order, with its normalisation treatment (METHODS.md)
 NORM = {"global": "running", "global_bn": "batch", "average": "running", "average_bn": "batch",
@@ -153,7 +153,7 @@ def adapt(model: nn.Module, params: list, dataset: Dataset, device, weights: dic
     loop with a custom step). Each step predicts with the forward pass before its update. ``amp``: ``train.amp``
     (METHODS.md; fp16 on CUDA: a gradient scaler). ``on_step(model, step)``, when given, is called after
     every optimizer step (1, 2, ...; validation curves, ``pflseg.eval.routing_validation``). A progress line with
-    an ETA (``pflseg.train.progress``, FLARE's log at the site) names ``what`` every 10 s of a long run.
+    an ETA (``pflseg.progress``, FLARE's log at the site) names ``what`` every 10 s of a long run.
 
     Returns:
         {"best": per-sample lowest-loss predictions ((C, H, W) bool each), "seconds", "steps", "visits":

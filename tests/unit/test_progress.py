@@ -1,7 +1,7 @@
-"""Progress lines with an ETA (pflseg.train.progress): what long steps say while they run."""
+"""Progress lines with an ETA (pflseg.progress): what long steps say while they run."""
 
-from pflseg.train import progress as progress_module
-from pflseg.train.progress import PREFIX, Progress, duration
+from pflseg import progress as progress_module
+from pflseg.progress import PREFIX, Progress, duration
 
 
 class Clock:
