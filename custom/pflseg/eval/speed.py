@@ -9,9 +9,9 @@ their sites):
 
 (a) **plain loop**: a site's round of work without FLARE or pflseg's site plumbing (no state files, no replies, no
     privacy, no best-model tracking): the job's net (``pflseg.nets.build_net``), loss, data (``site_dataset`` of the
-    same root, size, batch size and shuffling seed), Adam kept across rounds, validation Dice before and after (MONAI's
-    DiceMetric over the validation batches), ``train.epochs`` epochs of a plain PyTorch loop with the method's own
-    plug-in to the one training loop (its site class's ``round_hooks``: GRACE's meta step, FedProx's proximal term;
+    same root, size, batch size and shuffling seed), Adam kept across rounds, validation Dice before and after (the
+    one evaluation, ``pflseg.train.evaluate``), ``train.epochs`` epochs of the one training loop (``train_epochs``)
+    with the method's own plug-in (its site class's ``round_hooks``: GRACE's meta step, FedProx's proximal term;
     called on a stand-in holding only the config and the device). Every site in a process of its own, all at once,
     each round started together (a barrier, as the server's round starts them), each round timed. A method whose
     site replaces the round skeleton's ``step`` (FedSM, IOP-FL, LC-Fed) or pools other sites' data has no plain
@@ -241,17 +241,23 @@ def _plain_site(root: str, site: str, cfg: dict, site_cls, rounds: int, threads:
 
 
 def _plain_loop(root: str, site: str, cfg: dict, site_cls, rounds: int, threads: int, barrier) -> list[float]:
-    """The plain side of the comparison. Its data order (``make_loader``) and optimizer (``build_optimizer``) are the
-    one training loop's, its epochs are written out here on purpose: the one loop (``train_epochs``) reads every
-    batch's loss back to the host (``isfinite``, the mean loss: two device syncs per batch on a GPU), which is part
-    of what a site's compute is measured to cost against a plain PyTorch loop."""
+    """The plain side of the comparison: the site's round outside FLARE, with the package's one training loop
+    (``train_epochs``, the site's data order, optimizer and hooks) and one evaluation (``evaluate``) and nothing
+    else: no messages, no state on disk, no privacy path. compute / plain is then what the site's FLARE side adds."""
     import torch
-    from monai.metrics import DiceMetric
-    from torch.utils.data import DataLoader
 
     from pflseg.data import site_dataset
     from pflseg.nets import build_net
-    from pflseg.train import build_loss, build_optimizer, derive_seed, make_loader, pick_device, seed_everything
+    from pflseg.train import (
+        build_loss,
+        build_optimizer,
+        derive_seed,
+        evaluate,
+        make_loader,
+        pick_device,
+        seed_everything,
+        train_epochs,
+    )
 
     torch.set_num_threads(threads)
     device = pick_device("auto")
@@ -261,15 +267,7 @@ def _plain_loop(root: str, site: str, cfg: dict, site_cls, rounds: int, threads:
     model = build_net(cfg["net"]).to(device)
     loss_fn = build_loss(tc["loss"])
     stand_in = types.SimpleNamespace(cfg=cfg, device=device, name=site, sites=[site], inner={})
-
-    @torch.no_grad()
-    def validate() -> float:
-        model.eval()
-        dice = DiceMetric(include_background=True, reduction="mean", ignore_empty=False)
-        for batch in DataLoader(val, batch_size=tc["eval_batch_size"], shuffle=False):
-            pred = (torch.sigmoid(model(batch["image"].to(device))) > 0.5).float()
-            dice(pred, (batch["label"].to(device) > 0.5).float())
-        return float(dice.aggregate())
+    forward = {"amp": tc["amp"], "channels_last": tc["channels_last"]}
 
     optimizer, times = None, []
     for r in range(rounds):
@@ -277,29 +275,14 @@ def _plain_loop(root: str, site: str, cfg: dict, site_cls, rounds: int, threads:
         seed = derive_seed(cfg["seed"], site, r)
         seed_everything(seed)
         t0 = time.perf_counter()
-        validate()
+        evaluate(model, val, device, tc["eval_batch_size"], **forward)
         hooks, extra = site_cls.round_hooks(stand_in, model, {})
         if optimizer is None or extra is not None or not tc["keep_optimizer_state"]:
             optimizer = build_optimizer(model, device, tc["lr"],
                                         extra=None if extra is None else list(extra.to(device).parameters()))
-        loader = make_loader(train, tc["batch_size"], shuffle=True, seed=seed)
-        model.train()
-        for _ in range(tc["epochs"]):
-            for batch in loader:
-                batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-                if hooks is not None and hooks.step is not None:
-                    hooks.step(model, batch, optimizer, loss_fn)
-                    continue
-                optimizer.zero_grad(set_to_none=True)
-                logits = model(batch["image"])
-                loss = loss_fn(logits, batch["label"])
-                if hooks is not None and hooks.extra_loss is not None:
-                    loss = loss + hooks.extra_loss(model, batch, logits)
-                loss.backward()
-                optimizer.step()
-            if hooks is not None and getattr(hooks, "epoch_end", None) is not None:
-                hooks.epoch_end(model, optimizer)
-        validate()
+        train_epochs(model, make_loader(train, tc["batch_size"], shuffle=True, seed=seed), optimizer, loss_fn,
+                     tc["epochs"], device, hooks, **forward)
+        evaluate(model, val, device, tc["eval_batch_size"], **forward)
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)

@@ -2,6 +2,8 @@
 floors, the tables, the site executor kind of a job folder (its memory sampler: tests/unit/deploy/test_sampling.py)."""
 
 import argparse
+import ast
+import inspect
 import json
 
 import pytest
@@ -172,6 +174,23 @@ def test_plain_equivalent_only_for_the_one_loop_with_hooks():
     assert speed.plain_equivalent(METHODS["fedavg"].site) is None
     assert speed.plain_equivalent(METHODS["grace"].site) is None
     assert "own step" in speed.plain_equivalent(METHODS["iopfl"].site)
+
+
+def test_the_plain_loop_runs_the_one_training_loop_at_a_site(tmp_path, monkeypatch):
+    """The plain side trains with ``train_epochs`` and scores with ``evaluate`` (issue 40 item 5: no second loop):
+    one round of FedAvg at a site, in a process of its own, timed; the one loop's functions are the ones it calls."""
+    from pflseg.config import load_job_config
+    from pflseg.data import make_synthetic
+
+    root = make_synthetic(tmp_path / "root", n_sites=2, cases=3, size=16, depth=2)
+    cfg = load_job_config("fedavg", overrides={"data": {"size": 16}, "train": {"epochs": 1, "batch_size": 4},
+                                               "net": {"channels": [4, 8], "strides": [2]}})
+    times = speed.plain_rounds(root, ["site-2"], cfg, rounds=1, threads=1, timeout=300)
+    assert list(times) == ["site-2"] and len(times["site-2"]) == 1 and times["site-2"][0] > 0
+    source = inspect.getsource(speed._plain_loop)
+    called = {n.func.id for n in ast.walk(ast.parse(source))
+              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert {"train_epochs", "evaluate"} <= called and ".backward(" not in source
 
 
 def test_flags_reach_run():
