@@ -12,8 +12,10 @@ score).
 With one held-out site (the default on synthetic data: its last site, built unlike each single site and
 like their mix) the inside federation is the other sites and the same runs serve both tables.
 
-A finished (seed, fold, job) run is never run again when its settings are the same: its ``results.json`` is
-read back; a run that was stopped resumes from its last round. "The same" is the run's record
+Each run's folder also gets what ``pflseg run`` writes (``<run dir>/results/``: its test table and, for a
+post-training job, its own table, e.g. the routing job's diagnostics). A finished (seed, fold, job) run is never run
+again when its settings are the same: its ``results.json`` is read back; a run that was stopped resumes from its last
+round. "The same" is the run's record
 (``<run dir>/run.json``: its effective config, data, sites and, for a post-training job, the record of the run
 whose bundle it reads; ``pflseg.deploy.workspace.run_record``): an earlier run with another record is moved
 aside to ``<run dir>.<timestamp>`` with a line naming the keys that differ, and the job runs afresh.
@@ -41,7 +43,7 @@ from pflseg.data import DataError, load_dataset_info, make_synthetic, site_datas
 from pflseg.deploy.data_sites import flare_names, site_view
 from pflseg.deploy.simulator import run_side_by_side, run_simulator
 from pflseg.deploy.workspace import judge, move_aside, read_record, run_record, server_state, workspace_lock
-from pflseg.eval.plots import reported_val_dice
+from pflseg.eval.plots import reported_val_dice, write_results
 from pflseg.eval.progress import RunProgress
 from pflseg.flare.columns import Column, site_test
 from pflseg.flare.jobs import export_job
@@ -335,6 +337,7 @@ class Bench:
                 done_before = self.finished(seed, fold, job)
                 t0 = steps.start(f"seed {seed}, {fold}: {job}")
                 res = self.run(seed, fold, job)
+                write_results(res, self.run_dir(seed, fold, job))  # what pflseg run shows: <run dir>/results/
                 took = steps.done(timed=not done_before, t0=t0)
                 seconds = res.get("footprint", {}).get("wall_seconds", took)
                 timings[seed, fold, job] = {"seed": seed, "fold": fold, "job": job, "seconds": seconds}

@@ -222,6 +222,7 @@ def test_runs_side_by_side_run_each_job_once_a_post_training_run_after_its_train
     assert [(t["seed"], t["fold"], t["job"]) for t in bench.timings] == plan
     for seed in (0, 1):  # each post-training run started after the run it reads had finished
         assert bench.results(seed, "inside", "fedsm")["run"] < bench.results(seed, "inside", "fedsm_infer")["run"]
+    assert all((bench.run_dir(*key) / "results").is_dir() for key in plan)  # what pflseg run writes, per run
 
 
 def test_the_inside_table_reads_a_post_training_run_through_its_column(tmp_path, monkeypatch):
