@@ -50,14 +50,15 @@ def data_root(workspace: Path, seed: int) -> Path:
     return root
 
 
-def liar_env(attack: str | None) -> None:
-    """This process's environment for the next run (the simulator's processes inherit it): ``attack`` at site-3, or
-    an honest run (None)."""
-    for key in ("PFLSEG_TEST_EVIL_SITE", "PFLSEG_TEST_EVIL_ATTACK"):
+def liar_env(attack: str | None, factor: float = 99.0) -> None:
+    """This process's environment for the next run (the simulator's processes inherit it): ``attack`` at site-3 with
+    its update x ``factor``, or an honest run (None)."""
+    for key in ("PFLSEG_TEST_EVIL_SITE", "PFLSEG_TEST_EVIL_ATTACK", "PFLSEG_TEST_EVIL_FACTOR"):
         os.environ.pop(key, None)
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(EVIL)]
     if attack is not None:
-        os.environ.update(PFLSEG_TEST_EVIL_SITE=LIAR, PFLSEG_TEST_EVIL_ATTACK=attack)
+        os.environ.update(PFLSEG_TEST_EVIL_SITE=LIAR, PFLSEG_TEST_EVIL_ATTACK=attack,
+                          PFLSEG_TEST_EVIL_FACTOR=str(factor))
         paths.insert(0, str(EVIL))
     if paths:
         os.environ["PYTHONPATH"] = os.pathsep.join(paths)
@@ -66,7 +67,7 @@ def liar_env(attack: str | None) -> None:
 
 
 def run(workspace: Path, job: str, attack: str | None, seed: int, rounds: int, table_only: bool = False,
-        sets: dict | None = None) -> dict | None:
+        sets: dict | None = None, factor: float = 99.0) -> dict | None:
     """One simulator run (read back when it finished earlier): the summary of its results.json; with ``table_only``
     a run that did not finish earlier is not run (None). ``sets``: more job overrides (``--set``, e.g. robust.clip)."""
     root = data_root(workspace, seed)
@@ -78,7 +79,7 @@ def run(workspace: Path, job: str, attack: str | None, seed: int, rounds: int, t
                   sites=SITES, outside=False, overrides=overrides, preset=None, progress=print)
     if table_only and not bench.finished(seed, "inside", job):
         return None
-    liar_env(attack)
+    liar_env(attack, factor)
     try:
         res = bench.run(seed, "inside", job)
     finally:
@@ -101,7 +102,7 @@ def summary(runs: dict, job: str, attack: str, seeds: list[int]) -> dict:
     return {"attacked": att, "honest": hon, "diff": [a - h for a, h in zip(att, hon)]}
 
 
-def to_markdown(runs: dict, seeds: list[int], rounds: int) -> str:
+def to_markdown(runs: dict, seeds: list[int], rounds: int, factor: float = 99.0) -> str:
     cols = ["method", "liar's attack (site-3)"]
     cols += [f"seed {s}: attacked / honest" for s in seeds]
     cols += ["mean attacked / honest", "paired diff (mean; per seed)", "liar left out (rounds)",
@@ -114,7 +115,7 @@ def to_markdown(runs: dict, seeds: list[int], rounds: int) -> str:
                 continue
             row = summary(runs, job, attack, seeds)
             per = [runs[(job, attack, s)] for s in seeds]
-            cells = [LABELS[job], LABELS[attack]]
+            cells = [LABELS[job], LABELS[attack].replace("99x, n_k", f"{factor:g}x, n_k", 1)]
             cells += [f"{a:.3f} / {h:.3f}" for a, h in zip(row["attacked"], row["honest"])]
             cells += [f"{statistics.mean(row['attacked']):.3f} / {statistics.mean(row['honest']):.3f}",
                       f"{statistics.mean(row['diff']):+.3f} ({'; '.join(f'{d:+.3f}' for d in row['diff'])})",
@@ -136,6 +137,9 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--methods", nargs="+", default=list(ATTACKS), choices=list(ATTACKS))
     parser.add_argument("--table-only", action="store_true", help="run nothing: the table of the finished runs")
+    parser.add_argument("--factor", type=float, default=99.0,
+                        help="the liar's update factor (default 99; n_k is declared 99x whatever it is; use a "
+                             "workspace per factor)")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="a job override for every run, e.g. robust.clip=1 (use a workspace per setting)")
     args = parser.parse_args(argv)
@@ -149,15 +153,15 @@ def main(argv=None) -> None:
     plan += [(job, a) for job in args.methods for a in ATTACKS[job][1:]]
     for job, attack in plan:
         for seed in args.seeds:
-            out = run(ws, job, attack, seed, args.rounds, args.table_only, sets)
+            out = run(ws, job, attack, seed, args.rounds, args.table_only, sets, args.factor)
             if out is None:
                 continue
             runs[(job, attack, seed)] = out
             print(f"{job} {attack or 'honest'} seed {seed}: {json.dumps(out)}", flush=True)
             (ws / "attack_dice.json").write_text(json.dumps(
                 {f"{j}/{a or 'honest'}/{s}": v for (j, a, s), v in runs.items()}, indent=1))
-            (ws / "attack_dice.md").write_text(to_markdown(runs, args.seeds, args.rounds))
-    print(to_markdown(runs, args.seeds, args.rounds))
+            (ws / "attack_dice.md").write_text(to_markdown(runs, args.seeds, args.rounds, args.factor))
+    print(to_markdown(runs, args.seeds, args.rounds, args.factor))
 
 
 if __name__ == "__main__":

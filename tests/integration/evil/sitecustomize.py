@@ -10,6 +10,8 @@ $PFLSEG_TEST_EVIL_ATTACK says how (``ATTACKS``):
 ``flipped``             -99 u (F1, sign-flipped)
 ``fixed``               99 ||u|| e, e one unit direction, the same in every round, seed and site (F1, fixed direction)
 
+(99: $PFLSEG_TEST_EVIL_FACTOR, if set.)
+
 The three issue-39 attacks also declare n_k (meta ``NUM_STEPS_CURRENT_ROUND``) 99x its honest value and leave the
 metrics honest; integer buffers pass unchanged. The site's reply is taken as it leaves (full weights by default;
 with ``privacy.update.send: diff`` the reply is u itself and the lie is sent as a difference too).
@@ -23,7 +25,10 @@ import sys
 EVIL = os.environ.get("PFLSEG_TEST_EVIL_SITE")
 ATTACK = os.environ.get("PFLSEG_TEST_EVIL_ATTACK", "1e30")
 ATTACKS = ("1e30", "scaled", "flipped", "fixed")
-FACTOR = 99.0
+#: the update's factor ($PFLSEG_TEST_EVIL_FACTOR, default 99: below 99 the lie stays further inside the server's
+#: 100x norm bound) and the declared n_k's (always 99)
+FACTOR = float(os.environ.get("PFLSEG_TEST_EVIL_FACTOR", "99"))
+N_K_FACTOR = 99.0
 
 
 def lie(kind: str, sent: dict, received: dict, diff: bool = False) -> dict:
@@ -68,7 +73,7 @@ def _patch(module):
                 out.metrics = {**(out.metrics or {}), "val_dice": 1.0}
             else:
                 out.params = lie(ATTACK, out.params, msg.params or {}, out.params_type == ParamsType.DIFF)
-                out.meta["NUM_STEPS_CURRENT_ROUND"] = int(FACTOR * out.meta["NUM_STEPS_CURRENT_ROUND"])
+                out.meta["NUM_STEPS_CURRENT_ROUND"] = int(N_K_FACTOR * out.meta["NUM_STEPS_CURRENT_ROUND"])
         return out, site
 
     module.answer = answer
