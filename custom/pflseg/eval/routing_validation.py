@@ -34,6 +34,7 @@ from pflseg.flare.methods import METHODS
 from pflseg.flare.state import load_file, private_dir, unprefixed
 from pflseg.flare.wire import GLOBAL, model_prefix
 from pflseg.infer.routing import _trainable, adapt, budget, final_loss, predict, settings
+from pflseg.markdown import markdown_table
 from pflseg.nets import build_net
 from pflseg.train.loop import seed_everything
 
@@ -163,18 +164,19 @@ def validate_routing(bundle: str | Path, run_config: dict, data: str | Path, sit
 
 def to_markdown(report: dict) -> str:
     """The report as a Markdown table: one row per variant and validation site."""
-    lines = [f"Routing objective vs Dice at validation outside sites {report['sites']} (bundle of "
-             f"{report['inside']}; size prior {[round(x, 4) for x in report['prior']]}; rates {report['rates']})",
-             "", "| variant | site | rho(loss, Dice) | start Dice | Dice at lowest loss | lowest final loss: rate, "
-             "Dice | final foreground / start | router movement |", "|---|---|---|---|---|---|---|---|"]
+    rows = []
     for name, entry in report["variants"].items():
         for site, r in entry["sites"].items():
             chosen = next(c for c in r["curves"] if c["rate"] == r["lowest_final_loss"]["rate"])
             fg = chosen["points"][-1]["foreground"] / max(r["start_foreground"], 1e-12)
-            lines.append(f"| {name} | {site} | {r['rho']:+.2f} | {r['start_dice']:.3f} | {r['lowest_loss_dice']:.3f} "
-                         f"| {r['lowest_final_loss']['rate']:g}, {r['lowest_final_loss']['dice']:.3f} | {fg:.2f} "
-                         f"| {chosen['router_movement']:.3f} |")
-    return "\n".join(lines) + "\n"
+            rows.append([name, site, f"{r['rho']:+.2f}", f"{r['start_dice']:.3f}", f"{r['lowest_loss_dice']:.3f}",
+                         f"{r['lowest_final_loss']['rate']:g}, {r['lowest_final_loss']['dice']:.3f}", f"{fg:.2f}",
+                         f"{chosen['router_movement']:.3f}"])
+    head = ["variant", "site", "rho(loss, Dice)", "start Dice", "Dice at lowest loss", "lowest final loss: rate, Dice",
+            "final foreground / start", "router movement"]
+    return (f"Routing objective vs Dice at validation outside sites {report['sites']} (bundle of {report['inside']}; "
+            f"size prior {[round(x, 4) for x in report['prior']]}; rates {report['rates']})\n\n"
+            + markdown_table(head, rows) + "\n")
 
 
 def write(report: dict, out: Path) -> None:
