@@ -237,7 +237,28 @@ class Bench:
             for j in ([self.after[job][0], job] if job in self.after else [job]):
                 if (self.fold(h), j) not in keys:
                     keys.append((self.fold(h), j))
-        return [(seed, fold, job) for seed in self.seeds for fold, job in keys]
+        self.read_from = {(fold, job): other for fold, job in keys
+                          if (other := self.stand_in(fold, job, [j for f, j in keys if f == fold]))}
+        return [(seed, fold, job) for seed in self.seeds for fold, job in keys if (fold, job) not in self.read_from]
+
+    def stand_in(self, fold: str, job: str, jobs: list[str]) -> str | None:
+        """A job of ``jobs`` (the same fold's) whose run yields ``job``'s whole run bit for bit (its method's
+        ``global_as`` is ``job`` and every setting outside the method's own sections is the same), or None."""
+        mine = load_job_config(job, overrides=self.job_overrides(self.seeds[0], fold, job))
+        for other in jobs:
+            cfg = load_job_config(other, overrides=self.job_overrides(self.seeds[0], fold, other))
+            entry = METHODS.get(cfg["method"])
+            if other != job and entry is not None and entry.global_as == job:
+                drop = {"name", "method", *entry.sections}
+                if {k: v for k, v in cfg.items() if k not in drop} == {k: v for k, v in mine.items() if k not in drop}:
+                    return other
+        return None
+
+    def source(self, fold: str, job: str) -> str:
+        """The job whose run holds ``job``'s results in ``fold`` (``job`` itself unless ``stand_in`` found one)."""
+        if not hasattr(self, "read_from"):
+            self.plan()
+        return self.read_from.get((fold, job), job)
 
     def run_dir(self, seed: int, fold: str, job: str) -> Path:
         return self.ws / "runs" / f"seed{seed}" / fold / job
@@ -249,6 +270,7 @@ class Bench:
         return trained
 
     def results(self, seed: int, fold: str, job: str) -> dict:
+        job = self.source(fold, job)
         return json.loads((server_state(self.run_dir(seed, fold, job), job) / "results.json").read_text())
 
     def finished(self, seed: int, fold: str, job: str) -> bool:
@@ -278,7 +300,7 @@ class Bench:
 
     def names(self, seed: int, fold: str, job: str) -> dict[str, str]:
         """FLARE site name -> the data root's site name, for one run."""
-        return json.loads((self.run_dir(seed, fold, job) / "sites.json").read_text())
+        return json.loads((self.run_dir(seed, fold, self.source(fold, job)) / "sites.json").read_text())
 
     def run(self, seed: int, fold: str, job: str) -> dict:
         """One FLARE simulator job: read back when it finished earlier with the same record, resumed when it
@@ -328,6 +350,9 @@ class Bench:
         with their own seeds, so side by side or one by one gives the same results."""
         with workspace_lock(self.ws):
             plan = self.plan()
+            for job, other in sorted({(j, o) for (_, j), o in self.read_from.items()}):
+                self.progress(f"{job}: read from the {other} runs (the same global model, curves and test scores, bit "
+                              f"for bit: {other}'s sites train it as {job}'s do); not run")
             for seed in self.seeds:
                 self.root(seed)  # synthetic data made once, before runs start side by side
             steps = RunProgress(len(plan), self.progress)
@@ -425,7 +450,7 @@ class Bench:
 
     def global_dice_at(self, seed: int, fold: str, job: str, h: str) -> dict:
         """Scores of ``job``'s final best global model on every labelled image of the held-out site ``h``."""
-        res = self.results(seed, fold, job)
+        res, job = self.results(seed, fold, job), self.source(fold, job)
         ckpt = RoundStore(server_state(self.run_dir(seed, fold, job), job)).final()
         net = build_net(res["config"]["net"])
         net.load_state_dict({**net.state_dict(), **(unprefixed(BEST, ckpt) or unprefixed(GLOBAL, ckpt))})

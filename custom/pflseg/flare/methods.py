@@ -113,6 +113,11 @@ class Method(NamedTuple):
     #: the cost reports that run this method by default (``report_jobs``): ``soak``, ``speed`` (beside
     #: ``REFERENCE_JOB``), ``gpu-dry-run`` (the one method of ``pflseg report gpu --dry-run``)
     reports: tuple[str, ...] = ()
+    #: the training job whose whole run (global model, its curves and test scores) this method's run also yields, bit
+    #: for bit, when every setting outside the method's own ``sections`` is the same (its sites train the global
+    #: model exactly as that job's do; tests/unit/flare/sites/test_fedavg.py): the bench then reads that job's
+    #: columns from this run and does not run it
+    global_as: str | None = None
 
 
 C = Column
@@ -160,7 +165,7 @@ METHODS: dict[str, Method] = {
     "fedrep": Method(FedRepController, FedRepSite, ("lcfed",), label="FedRep",
                      inside={"fedrep": (C("FedRep", "fedrep", "site", "lcnet"),)}),
     "fedsm": Method(
-        FedSMController, FedSMSite, ("fedsm",), label="FedSM",
+        FedSMController, FedSMSite, ("fedsm",), label="FedSM", global_as="fedavg",
         inside={"fedsm": (C("FedSM personalized", "fedsm", "site", "unet"),
                           C("FedSM super", "fedsm_infer", "super", "unet", read_super))},
         # super: gamma chosen on the inside sites' validation (0 as a rule: their own models are best there); the
@@ -188,7 +193,7 @@ METHODS: dict[str, Method] = {
         claims=(Claim("GRACE global", ("FedAvg",), "running"),),
         reports=("speed",)),  # the costliest server step: K x K similarities over every update
     "iopfl": Method(
-        IOPFLController, IOPFLSite, ("iopfl",), label="IOP-FL",
+        IOPFLController, IOPFLSite, ("iopfl",), label="IOP-FL", global_as="fedavg",
         inside={"iopfl": (C("IOP-FL global", "iopfl", "global", "unet"), C("IOP-FL P_k", "iopfl", "site", "unet"))},
         # the routing job scores its static comparators under both treatments in the very batches routing and Tent
         # adapt on (the IOP-FL run's global model is FedAvg's, bit for bit, at one seed)

@@ -8,13 +8,39 @@ def test_plan_runs_each_job_once_and_training_before_post_training(tmp_path):
     one = Bench(tmp_path / "ws", data=root, methods=["fedavg", "fedsm", "iopfl"], seeds=[0], holdout=["site-4"])
     assert one.inside == ["site-1", "site-2", "site-3"]
     plan = [job for _, fold, job in one.plan()]
-    assert plan == ["fedavg", "fedsm", "fedsm_infer", "iopfl", "iopfl_route"]  # the inside runs serve the outside table
+    # the inside runs serve the outside table; FedAvg's run is FedSM's global model (Method.global_as): not run
+    assert plan == ["fedsm", "fedsm_infer", "iopfl", "iopfl_route"] and one.source("inside", "fedavg") == "fedsm"
     assert {fold for _, fold, _ in one.plan()} == {"inside"}
     assert one.clients("inside", "iopfl_route") == ["site-1", "site-2", "site-3", "site-4"]
     every = Bench(tmp_path / "ws2", data=root, methods=["iopfl"], seeds=[0, 1], holdout=["all"])
     folds = {(s, f) for s, f, j in every.plan() if j == "iopfl_route"}
     assert folds == {(s, f"without-site-{i}") for s in (0, 1) for i in range(1, 5)}
     assert every.trained_on("without-site-2") == ["site-1", "site-3", "site-4"]
+
+
+def test_fedavg_is_read_from_a_run_whose_global_model_is_fedavgs_only_with_the_same_settings(tmp_path, monkeypatch):
+    """Issue 42 item 1: FedAvg's columns (inside, its best global model outside, curves, steps) come from the IOP-FL
+    run (the same global model bit for bit: tests/unit/flare/sites/test_fedavg.py) when every setting outside
+    IOP-FL's own section is the same; a setting of IOP-FL's run that FedAvg's lacks makes FedAvg run."""
+    from pflseg.eval import bench as bench_module
+
+    calls, said = [], []
+    monkeypatch.setattr(bench_module, "run_simulator", fake_simulator(calls))
+    root = make_synthetic(tmp_path / "root", n_sites=4, cases=3, size=16, depth=2)
+    bench = Bench(tmp_path / "ws", data=root, methods=["fedavg", "iopfl"], seeds=[0], holdout=["all"], rounds=1,
+                  outside=False, progress=said.append)
+    assert [job for _, _, job in bench.plan()] == ["iopfl"] and bench.source("inside", "fedavg") == "iopfl"
+    monkeypatch.setattr(bench, "tables", lambda: None)
+    bench.execute()
+    assert calls == ["iopfl"] and "fedavg: read from the iopfl runs" in said[0]
+    assert bench.results(0, "inside", "fedavg") == bench.results(0, "inside", "iopfl") == {"run": 1}
+    assert bench.names(0, "inside", "fedavg") == bench.names(0, "inside", "iopfl")
+    own = {"iopfl": {"iopfl": {"tau": 0.5}}}  # its own section: still FedAvg's global model
+    assert [j for _, _, j in Bench(tmp_path / "ws2", data=root, methods=["fedavg", "iopfl"], seeds=[0], rounds=1,
+                                   holdout=["site-4"], per_job=own).plan()] == ["iopfl", "iopfl_route"]
+    other = {"iopfl": {"train": {"lr": 0.01}}}
+    assert [j for _, _, j in Bench(tmp_path / "ws3", data=root, methods=["fedavg", "iopfl"], seeds=[0], rounds=1,
+                                   holdout=["site-4"], per_job=other).plan()] == ["fedavg", "iopfl", "iopfl_route"]
 
 
 def test_the_mean_row_spreads_over_seeds_not_over_sites():

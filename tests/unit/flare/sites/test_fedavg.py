@@ -4,6 +4,9 @@ import math
 
 import torch
 
+from pflseg.flare.methods import METHODS
+from pflseg.flare.wire import GLOBAL, PERSON, SELECT, only, prefixed
+from pflseg.nets.selector import build_selector, selector_cfg
 from tests.unit.flare.sites.conftest import keys_of
 
 
@@ -55,3 +58,34 @@ def test_final_test_scores_the_global_model_after_adabn_where_it_has_batch_norm(
         if scored:
             assert (0.0 <= test["global_adabn"]["dice"] <= 1.0
                     and test["global_adabn"]["n_cases"] == test["global"]["n_cases"])
+
+
+def _first_message(fed):
+    """Round 0's message of ``fed``'s job: the global model, and for FedSM its personalized model and selector."""
+    if fed.cfg["method"] != "fedsm":
+        return fed.message(0)
+    selector = build_selector(selector_cfg(fed.cfg, 2)).state_dict()
+    params = {**prefixed(GLOBAL, fed.initial), **prefixed(PERSON, fed.initial), **prefixed(SELECT, selector)}
+    return fed.message(0, params, selector_label=0)
+
+
+def test_the_methods_whose_run_is_fedavgs_train_its_global_model_bit_for_bit(federation):
+    """Method.global_as (the bench reads FedAvg's columns from their runs): two rounds at a site, the global model
+    each sends equals FedAvg's site's, bit for bit, and so do its validation scores."""
+    same = sorted(name for name, entry in METHODS.items() if entry.global_as == "fedavg")
+    assert same == ["fedsm", "iopfl"]
+    reference = federation("fedavg")
+    site, msg, sent = reference.site(), reference.message(0), []
+    for r in (0, 1):
+        out = site.train(msg)
+        sent.append(out)
+        msg = reference.message(1, only(out.params, GLOBAL))
+    for name in same:
+        fed = federation(name)
+        site, msg = fed.site(), _first_message(fed)
+        for r, ref in enumerate(sent):
+            out = site.train(msg)
+            mine = only(out.params, GLOBAL)
+            assert set(mine) == set(ref.params) and all(torch.equal(mine[k], ref.params[k]) for k in mine), (name, r)
+            assert out.metrics["val_dice"] == ref.metrics["val_dice"], (name, r)
+            msg = fed.message(1, {**msg.params, **out.params}, selector_label=0)  # FedSM: the selector it had
