@@ -270,3 +270,18 @@ def test_a_clipped_update_keeps_the_base_s_normalisation_statistics_so_no_varian
     assert torch.equal(states[2]["bn.running_var"], base["bn.running_var"])
     assert torch.equal(states[2]["bn.running_mean"], base["bn.running_mean"])
     assert 0.0 < float(states[2]["conv.weight"][0]) < 9.9  # the weights scaled back towards the base
+
+
+def test_a_normalisation_statistic_is_not_bounded_on_its_own_but_a_weight_is():
+    """The demo's LC-Fed, round 2: the largest site's running variance moved 167x the others' median (its images
+    differ) and the per-tensor bound refused an honest site. Statistics count in the whole update only; a weight
+    tensor moved as far is still refused on its own."""
+    base = {"conv.weight": torch.zeros(1000), "head.weight": torch.zeros(4), "bn.running_var": torch.ones(4),
+            "bn.running_mean": torch.zeros(4)}
+    sent = {s: base for s in "abc"}
+    honest = {s: {"conv.weight": torch.full((1000,), 0.1), "head.weight": torch.full((4,), 0.01),
+                  "bn.running_var": torch.full((4,), 1.1), "bn.running_mean": torch.full((4,), 0.01)} for s in "ab"}
+    statistics = {**honest["a"], "bn.running_var": torch.full((4,), 1.0 + 16.7)}  # 167x the others' update
+    assert norm_outliers({**honest, "c": statistics}, sent, 100) == {}
+    weight = {**honest["a"], "head.weight": torch.full((4,), 3.0)}  # the whole update 2x, this tensor 180x
+    assert "'head.weight'" in norm_outliers({**honest, "c": weight}, sent, 100)["c"]
