@@ -202,7 +202,7 @@ METHODS: dict[str, Method] = {
         claims=(Claim(ROUTING_LABELS["routing"], ("FedAvg", "Average", "Tent (online)", "Tent from Average (online)"),
                       "batch"),),
         demo_settings={"iopfl": {"epochs": 3, "comparators": ["global", "average", "ensemble", "global_bn",
-                                                              "average_bn", "ensemble_bn", "tent"]}}),
+                                                              "average_bn", "ensemble_bn", "tent", "tent_average"]}}),
     # the routing job reaches every site outside the bundle: no targets
     "iopfl_route": Method(
         IOPFLRoutingController, IOPFLRoutingSite, ("iopfl",), after=("iopfl", "iopfl", {"targets": []}),

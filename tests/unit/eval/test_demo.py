@@ -80,3 +80,13 @@ def test_a_run_without_per_case_dice_is_refused_naming_the_key(d):
     del results["fedbn"]["test"]["site-1"]["site"]["per_case"]
     with pytest.raises(ValueError, match="privacy.per_case"):
         d.per_case(results, Column("FedBN", "fedbn", "site", "unet"), ["site-1"])
+
+
+def test_every_routing_row_of_the_demo_is_scored_by_its_routing_job():
+    """The demo's outside rows read methods of the routing job's results: each is routing itself or one of the
+    comparators the demo's IOP-FL settings ask for (a row without its method failed the demo at its tables)."""
+    from pflseg.flare.methods import METHODS
+
+    asked = set(METHODS["iopfl"].demo_settings["iopfl"]["comparators"]) | {"routing", "routing_final"}
+    rows = [row.key for entry in METHODS.values() for row in entry.demo_outside if row.job == "iopfl_route"]
+    assert rows and set(rows) <= asked
