@@ -441,7 +441,7 @@ def run(workspace: str | Path, dry_run: bool = False, budget: float | None = Non
                     plain = speed.plain_rounds(sites_root(ws, plan, step["sites"]), names,
                                                job_config(ref["job_dir"]), plan.rounds,
                                                speed.threads_per_site(step["sites"]))
-                    row = speed.compare(speed.round_costs(ref["history"]), plain, ref["executor"], "sim")
+                    row = speed.compare(speed.round_costs(ref["history"]), plain)
                     result["plain"] = {**step, **row, "seconds": time.time() - t0, "per_site": plain}
                 else:
                     root = demo_root(ws, plan) if step["step"] == "amp" else sites_root(ws, plan, step["sites"])

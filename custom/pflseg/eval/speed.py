@@ -20,16 +20,20 @@ their sites):
     round by the server in results.json (``history[r].site_compute_seconds``).
 (c) **round wall**: the server's ``history[r].wall_seconds``: from the round's first send to the new global model
     (its checkpoint write and FLARE's round metrics file come after it and are not in it).
+(d) **FLARE's floor**, measured in the same run: just before each job, in the same environment (the same POC
+    federation), a FLARE job of no work (``pflseg.flare.floor``) with the job's site executor kind (read from the built
+    job's ``config_fed_client.json``), sites and rounds, sending every site a model of as many float32 values as the
+    job's net has parameters and getting it back unchanged; its controller waits for FLARE's task check (pflseg's go
+    on the moment the last site has answered, so a fixed cost may lie below its floor). A kind the floor job lacks
+    (the Client API in another process) has no floor. Its history: ``speed.json``'s ``runs[env][job]["floor"]``.
 
-Rounds measured: 1 .. R-1 (round 0 also loads and caches each site's data; with one round only, round 0). Reported:
-site compute / plain loop, and the **fixed cost per round** = round wall - the round's slowest site compute (median
-over the measured rounds) beside FLARE's per-round floor for the job's site executor kind (read from the built job's
-``config_fed_client.json``; measured with a no-work job whose controller waits for FLARE's task check,
-docs/speed.md: Client API in-process 1.2 s simulator / 0.8 s POC, plain ``Executor`` 0.6 s / 0.4 s; pflseg's controllers
-go on the moment the last site has answered, so a fixed cost may lie below its floor). ``sim``: ``nvflare simulator``
-(``pflseg.deploy.simulator.run_simulator``), with the host memory (PSS) of its processes sampled
-(``pflseg.deploy.sampling``, every 0.5 s: per site process and in all); ``poc``: one loopback POC federation
-(``pflseg.deploy.poc.PocFederation``) that runs every method's job in turn through the FLARE API.
+Rounds measured: 1 .. R-1 (round 0 also loads and caches each site's data; with one round only, round 0); the floor
+job's likewise. Reported: site compute / plain loop, and the **fixed cost per round** = round wall - the round's
+slowest site compute (median over the measured rounds) beside the floor (the median of the floor job's round walls)
+and their difference. ``sim``: ``nvflare simulator`` (``pflseg.deploy.simulator.run_simulator``), with the host memory
+(PSS) of its processes sampled (``pflseg.deploy.sampling``, every 0.5 s: per site process and in all); ``poc``: one
+loopback POC federation (``pflseg.deploy.poc.PocFederation``) that runs every method's floor job and job in turn
+through the FLARE API.
 
 Server aggregation: each method's controller ``aggregate`` step (the very method its ``round`` calls, on a
 controller made outside FLARE with ``init_state``) over K Gaussian updates of the job's net (a UNet of about 8 M
@@ -62,9 +66,6 @@ from typing import Any
 from pflseg.deploy.sampling import GIB, MemorySampler, best_seconds, named
 from pflseg.markdown import markdown_table
 
-#: FLARE 2.9's per-round floor (seconds) by (site executor kind, environment), measured with a no-work job
-#: (docs/speed.md)
-FLOORS = {("client_api", "sim"): 1.2, ("client_api", "poc"): 0.8, ("executor", "sim"): 0.6, ("executor", "poc"): 0.4}
 ENVS = ("sim", "poc")
 EXECUTOR_KINDS = ("executor", "client_api")
 RESULTS_JSON, MARKDOWN, SCALING_PNG = "speed.json", "speed.md", "speed_scaling.png"
@@ -83,11 +84,6 @@ def default_jobs() -> dict[str, Any]:
 
 
 # ---- the arithmetic (pure) ------------------------------------------------------------------------------------------
-def floor_seconds(kind: str, env: str) -> float | None:
-    """FLARE's per-round floor for site executor ``kind`` in ``env`` (``FLOORS``); None where none was measured."""
-    return FLOORS.get((kind, env))
-
-
 def measured(history: list[dict], skip: int | None = None) -> list[dict]:
     """The history entries measured: all but the first ``skip`` rounds (default: the first, when there are several;
     it loads the data)."""
@@ -128,16 +124,22 @@ def plain_seconds(plain: dict[str, list[float]], rounds: list[int]) -> float | N
     return statistics.mean(per_site) if per_site else None
 
 
-def compare(costs: dict, plain: dict[str, list[float]] | None, kind: str, env: str) -> dict:
+def floor_seconds(history: list[dict] | None) -> float | None:
+    """FLARE's per-round floor from the floor job's results.json ``history``: the median wall of its measured rounds
+    (``measured``, as a job's); None without a history."""
+    return round_costs(history)["wall_s"] if history else None
+
+
+def compare(costs: dict, plain: dict[str, list[float]] | None, floor: float | None = None) -> dict:
     """One row of the report: ``round_costs`` beside the plain loop (``plain``: site -> seconds per round, or None)
-    and FLARE's floor for executor ``kind`` in ``env``.
+    and FLARE's floor measured in the same run (``floor``: ``floor_seconds`` of the floor job run beside the job;
+    None where none was).
 
     Returns:
         ``plain_s``, ``compute_s``, ``ratio`` (site compute / plain loop), ``wall_s``, ``slowest_s``, ``fixed_s``,
         ``floor_s`` and ``above_floor_s`` (fixed - floor); None where a part is missing.
     """
     base = plain_seconds(plain, costs["rounds"]) if plain else None
-    floor = floor_seconds(kind, env)
     return {"plain_s": base, "compute_s": costs["compute_s"],
             "ratio": costs["compute_s"] / base if base else None, "wall_s": costs["wall_s"],
             "slowest_s": costs["slowest_s"], "fixed_s": costs["fixed_s"], "floor_s": floor,
@@ -331,26 +333,86 @@ def _history(results: dict) -> list[dict]:
             for h in results.get("history", [])]
 
 
-def run_sim(workspace: Path, job: str, n_sites: int, root: Path, overrides: dict, progress=print) -> dict:
-    """Job ``job`` in FLARE's simulator (workspace ``<workspace>/sim/<job>``), its processes' memory sampled. Returns
-    ``{"history", "executor", "footprint", "memory"}``."""
+def floor_setting(job_dir: Path, kind: str, n_sites: int) -> dict | None:
+    """The floor job's settings (``pflseg.flare.floor.export_floor_job``'s keywords) for exported job ``job_dir`` run
+    with ``n_sites`` sites: its site executor ``kind``, sites, rounds and its net's parameter count (sized to the sites,
+    as the server sizes it); None for a kind the floor job lacks."""
+    from pflseg.deploy.workspace import job_config
+    from pflseg.flare.floor import KINDS
+    from pflseg.nets import build_net, fit_to_sites
+
+    if kind not in KINDS:
+        return None
+    cfg = job_config(job_dir)
+    net = json.loads(json.dumps(cfg["net"]))
+    fit_to_sites(net, [f"site-{i + 1}" for i in range(n_sites)])
+    return {"kind": kind, "sites": n_sites, "rounds": int(cfg["rounds"]),
+            "parameters": sum(p.numel() for p in build_net(net).parameters())}
+
+
+def _floor_job(job: str) -> str:
+    return f"{job}_floor"
+
+
+def run_floor_sim(workspace: Path, job: str, setting: dict, progress=print) -> dict:
+    """The floor job of ``setting`` (``floor_setting``) in FLARE's simulator (workspace
+    ``<workspace>/sim/<job>/floor``). Returns ``{"history", **setting}``."""
+    from pflseg.deploy.simulator import run_simulator
+    from pflseg.flare.floor import export_floor_job
+
+    ws = workspace / "sim" / job / "floor"
+    progress(f"[sim] {job}: FLARE's floor ({setting['kind']}, {setting['parameters']} parameters)")
+    job_dir = export_floor_job(ws / "job", _floor_job(job), **setting)
+    results = run_simulator(job_dir, ws, n_sites=setting["sites"], progress=progress)
+    return {"history": _history(results), **setting}
+
+
+def _floor_or_error(run_floor: Callable[..., dict], *args) -> dict:
+    try:
+        return run_floor(*args)
+    except Exception as exc:  # noqa: BLE001 - named in the report; the job itself still runs
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def run_sim(workspace: Path, job: str, n_sites: int, root: Path, overrides: dict, progress=print,
+            floor: bool = False) -> dict:
+    """Job ``job`` in FLARE's simulator (workspace ``<workspace>/sim/<job>``), its processes' memory sampled; with
+    ``floor``, FLARE's floor job for it just before (``run_floor_sim``). Returns ``{"history", "executor",
+    "footprint", "memory"}``, with ``floor``: ``"floor"`` (``run_floor_sim``'s, ``{"error"}`` or None: no floor job
+    for the kind)."""
     from pflseg.deploy.simulator import run_simulator
     from pflseg.flare.jobs import export_job
 
     ws = workspace / "sim" / job
     job_dir = export_job(job, ws / "job", overrides=overrides)
+    kind = executor_kind(job_dir)
+    out: dict[str, Any] = {}
+    if floor:
+        setting = floor_setting(job_dir, kind, n_sites)
+        out["floor"] = setting and _floor_or_error(run_floor_sim, workspace, job, setting, progress)
     with MemorySampler(named(ws.resolve() / "sim")) as sampler:
         results = run_simulator(job_dir, ws, n_sites=n_sites, data=root, progress=progress)
-    return {"history": _history(results), "executor": executor_kind(job_dir), "footprint": results.get("footprint"),
-            "memory": sampler.peak()}
+    return {"history": _history(results), "executor": kind, "footprint": results.get("footprint"),
+            "memory": sampler.peak(), **out}
 
 
-def run_poc(workspace: Path, jobs: dict[str, dict], n_sites: int, root: Path, progress=print) -> dict:
+def run_poc(workspace: Path, jobs: dict[str, dict], n_sites: int, root: Path, progress=print,
+            floor: bool = False) -> dict:
     """Every job of ``jobs`` (job -> overrides) in one loopback POC federation (``<workspace>/poc``), one after the
-    other through the FLARE API. Returns job -> ``{"history", "executor", "wall_seconds"}`` or ``{"error"}``."""
+    other through the FLARE API; with ``floor``, each job's floor job (``floor_setting``) just before it. Returns
+    job -> ``{"history", "executor", "wall_seconds"}`` (with ``floor``: ``"floor"``, as ``run_sim``'s) or
+    ``{"error"}``."""
     from pflseg.deploy.poc import PocFederation
     from pflseg.deploy.submit import submit
+    from pflseg.flare.floor import export_floor_job
     from pflseg.flare.jobs import export_job
+
+    def run_floor(job: str, setting: dict) -> dict:
+        progress(f"[poc] {job}: FLARE's floor ({setting['kind']}, {setting['parameters']} parameters)")
+        floor_dir = export_floor_job(fed.workspace / "jobs", _floor_job(job), **setting)
+        results = submit(floor_dir, fed.admin_kit(), out=fed.workspace / "results" / floor_dir.name,
+                         progress=progress)
+        return {"history": _history(results), **setting}
 
     fed = PocFederation(workspace / "poc", n_sites=n_sites, progress=progress)
     fed.provision({"data": str(root)})
@@ -360,14 +422,17 @@ def run_poc(workspace: Path, jobs: dict[str, dict], n_sites: int, root: Path, pr
         fed.wait_connected()
         for job, overrides in jobs.items():
             job_dir = export_job(job, fed.workspace / "jobs", overrides=overrides)
+            kind = executor_kind(job_dir)
+            setting = floor_setting(job_dir, kind, n_sites) if floor else None
+            floor_run = setting and _floor_or_error(run_floor, job, setting)
             t0 = time.time()
             try:
                 results = submit(job_dir, fed.admin_kit(), out=fed.workspace / "results" / job, progress=progress)
             except Exception as exc:  # noqa: BLE001 - one job's failure is reported; the others still run
                 out[job] = {"error": f"{type(exc).__name__}: {exc}"}
                 continue
-            out[job] = {"history": _history(results), "executor": executor_kind(job_dir),
-                        "wall_seconds": time.time() - t0, "status": results.get("status")}
+            out[job] = {"history": _history(results), "executor": kind, "wall_seconds": time.time() - t0,
+                        "status": results.get("status"), **({"floor": floor_run} if floor else {})}
     finally:
         fed.stop()
     return out
@@ -604,9 +669,13 @@ def run(workspace: str | Path, methods: Sequence[str] | None = None, sites: int 
         for env in envs:
             for job, run_ in result["runs"][env].items():
                 plain = result["plain"].get(job, {}).get("seconds")
-                row = compare(round_costs(run_["history"]), plain, run_["executor"], env)
+                floor = run_.get("floor") or {}
+                if "error" in floor:
+                    result["errors"].append(f"{env} {job} floor: {floor['error']}")
+                row = compare(round_costs(run_["history"]), plain, floor=floor_seconds(floor.get("history")))
                 memory = run_.get("memory") or {}
                 result["rows"].append({"env": env, "job": job, "executor": run_["executor"], **row,
+                                       "floor_parameters": floor.get("parameters"),
                                        "peak_total_gib": memory.get("peak_total_gib"),
                                        "peak_site_max_gib": memory.get("peak_site_max_gib")})
         progress(f"[aggregation] {', '.join(methods)}: {agg_sites} sites")
@@ -626,21 +695,21 @@ def run(workspace: str | Path, methods: Sequence[str] | None = None, sites: int 
 
 
 def _flare_runs(result: dict, ws: Path, root: Path, overrides: dict[str, dict], progress) -> None:
-    """(b), (c): every job in each environment of ``result["setup"]`` into ``result["runs"][env][job]``; a run that
-    failed is named in ``result["errors"]`` and the others go on."""
+    """(b), (c), (d): every job, each just after its floor job, in each environment of ``result["setup"]`` into
+    ``result["runs"][env][job]``; a run that failed is named in ``result["errors"]`` and the others go on."""
     s = result["setup"]
     methods, sites, rounds, size = s["methods"], s["sites"], s["rounds"], s["size"]
     if "sim" in s["envs"]:
         for job in methods:
             progress(f"[sim] {job}: {sites} sites, {rounds} rounds, size {size}")
             try:
-                result["runs"]["sim"][job] = run_sim(ws, job, sites, root, overrides[job], progress)
+                result["runs"]["sim"][job] = run_sim(ws, job, sites, root, overrides[job], progress, floor=True)
             except Exception as exc:  # noqa: BLE001 - named in the report; the other runs go on
                 result["errors"].append(f"sim {job}: {type(exc).__name__}: {exc}")
     if "poc" in s["envs"]:
         progress(f"[poc] {', '.join(methods)}: {sites} sites, {rounds} rounds, size {size}")
         try:
-            for job, run_ in run_poc(ws, overrides, sites, root, progress).items():
+            for job, run_ in run_poc(ws, overrides, sites, root, progress, floor=True).items():
                 if "error" in run_:
                     result["errors"].append(f"poc {job}: {run_['error']}")
                 else:
@@ -699,7 +768,8 @@ def _memory(row: dict) -> str:
 
 
 HEAD = ["env", "job", "site executor", "plain loop s", "site compute s", "compute / plain", "round wall s",
-        "slowest site s", "fixed s / round", "FLARE floor s", "fixed - floor s", "peak PSS GiB (all / largest site)"]
+        "slowest site s", "fixed s / round", "FLARE floor s (this run)", "fixed - floor s",
+        "peak PSS GiB (all / largest site)"]
 
 
 def to_markdown(result: dict) -> str:
@@ -712,18 +782,20 @@ def to_markdown(result: dict) -> str:
              f"{s['threads_per_site']} torch thread(s) per site on {s['cores']} cores, device "
              f"{result.get('device', '?')}", ""]
     body = [[r["env"], r["job"], r["executor"], _num(r["plain_s"], 2), _num(r["compute_s"], 2), _num(r["ratio"], 2),
-             _num(r["wall_s"], 2), _num(r["slowest_s"], 2), _num(r["fixed_s"], 2), _num(r["floor_s"], 1),
+             _num(r["wall_s"], 2), _num(r["slowest_s"], 2), _num(r["fixed_s"], 2), _num(r["floor_s"], 2),
              _num(r["above_floor_s"], 2), _memory(r)] for r in result["rows"]]
     lines.append(markdown_table(HEAD, body))
     lines += ["", "round wall: the server's history[r].wall_seconds (first send to new global model); fixed = wall - "
-              "the round's slowest site compute; FLARE floor: a no-work job's round for the job's site executor (its "
-              "controller waits for FLARE's task check; pflseg's goes on at the last answer, so fixed may lie below); "
-              "peak PSS: the simulator's processes (proportional set size: shared library pages split between the "
-              "processes that map them; sampled every 0.5 s)."]
+              "the round's slowest site compute; FLARE floor: measured in this run, just before each job in the same "
+              "environment: the median round wall (same rounds measured) of a no-work job (pflseg.flare.floor) with "
+              "the job's site executor, sites, rounds and its net's parameter count as the model sent and returned "
+              "(its controller waits for FLARE's task check; pflseg's goes on at the last answer, so fixed may lie "
+              "below); peak PSS: the simulator's processes (proportional set size: shared library pages split "
+              "between the processes that map them; sampled every 0.5 s)."]
     if rounds - 1 < 5:
-        lines.append(f"only {max(rounds - 1, 1)} round(s) measured: a round's fixed cost depends on where its end "
-                     "falls in FLARE's polling cycles (the floors are medians over 11 rounds), so fixed - "
-                     "floor may even be negative; use --rounds 7 or more for stable medians.")
+        lines.append(f"only {max(rounds - 1, 1)} round(s) measured: a round's fixed cost and the floor job's round "
+                     "depend on where their ends fall in FLARE's polling cycles, so fixed - floor may even be "
+                     "negative; use --rounds 7 or more for stable medians.")
     for job, plain in result.get("plain", {}).items():
         if "none" in plain:
             lines.append(f"{job}: no plain loop ({plain['none']})")

@@ -4,16 +4,18 @@ A job without custom code (package mode) only runs classes a site allows in its 
 (``class_allow_list``; FLARE's built-in list when absent). Two lists:
 
 - narrow (``narrow_list``; what provisioned kits get by default, ``PflsegBuilder(allow_list="narrow")``): the classes
-  pflseg's jobs name and nothing else: pflseg's own job classes by exact name (every method's controller and both
-  site executors, ``pflseg_classes``: no ``pflseg.`` prefix), FLARE's two that every job names (``FLARE_CLASSES``)
-  and the server's optional MLflow and W&B receivers (``TRACKING_CLASSES``: ``tracking.receivers``);
+  pflseg's jobs name and nothing else: pflseg's own job classes by exact name (every method's controller, both
+  site executors and the speed report's floor job, ``pflseg_classes``: no ``pflseg.`` prefix), FLARE's two that every
+  job names (``FLARE_CLASSES``) and the server's optional MLflow and W&B receivers (``TRACKING_CLASSES``:
+  ``tracking.receivers``);
 - broad (``allow_list``; the simulator's and POC's, and kits made with ``allow_list: broad``): FLARE 2.9's default
   list (``DEFAULT_CLASS_ALLOW_LIST``: 88 classes of FLARE's own, its workflows, executors, aggregators, persistors,
   privacy filters and widgets, which FLARE's kits allow anyway) plus pflseg's classes.
 
 pflseg's committed jobs name only ``job_classes``: pflseg's classes and ``FLARE_CLASSES``, less the Client API site
-executor a job names only with ``site.executor: client_api``. FLARE filters a job adds (``privacy.update.filters``)
-must be on the site's list too: the broad list holds FLARE's own filters, the narrow one none.
+executor a job names only with ``site.executor: client_api`` and the floor job's ``FLOOR_CLASSES``. FLARE filters a
+job adds (``privacy.update.filters``) must be on the site's list too: the broad list holds FLARE's own filters, the
+narrow one none.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from nvflare.app_common.default_component_policy import DEFAULT_CLASS_ALLOW_LIST
 
 from pflseg.data.files import private_dir
 from pflseg.flare.executor import ClientAPISiteExecutor, SiteExecutor
+from pflseg.flare.floor import FloorClientAPIExecutor, FloorController, FloorExecutor
 from pflseg.flare.methods import METHODS
 
 
@@ -32,9 +35,15 @@ def _path(cls) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+#: the classes of the no-work job ``pflseg report speed`` measures FLARE's per-round floor with (``pflseg.flare.floor``)
+FLOOR_CLASSES = tuple(_path(c) for c in (FloorController, FloorExecutor, FloorClientAPIExecutor))
+
+
 def pflseg_classes() -> list[str]:
-    """Every pflseg class a job can name (controllers of all methods, the site executors of ``site.executor``)."""
-    return sorted({_path(m.controller) for m in METHODS.values()} | {_path(SiteExecutor), _path(ClientAPISiteExecutor)})
+    """Every pflseg class a job can name (controllers of all methods, the site executors of ``site.executor``, the
+    floor job's ``FLOOR_CLASSES``)."""
+    return sorted({_path(m.controller) for m in METHODS.values()} | {_path(SiteExecutor), _path(ClientAPISiteExecutor)}
+                  | set(FLOOR_CLASSES))
 
 
 #: FLARE's classes that every pflseg job names (``pflseg.flare.jobs.build_job``): the sites' event relay and the
@@ -51,8 +60,10 @@ LISTS = ("narrow", "broad")
 
 
 def job_classes() -> list[str]:
-    """Every class a pflseg job (package mode, default privacy and site settings) asks FLARE to build."""
-    return sorted(FLARE_CLASSES) + [c for c in pflseg_classes() if c != _path(ClientAPISiteExecutor)]
+    """Every class a pflseg job (package mode, default privacy and site settings) asks FLARE to build (the floor job
+    is no such job)."""
+    return sorted(FLARE_CLASSES) + [c for c in pflseg_classes()
+                                    if c != _path(ClientAPISiteExecutor) and c not in FLOOR_CLASSES]
 
 
 def allow_list() -> list[str]:

@@ -1,5 +1,6 @@
 """The pure parts of `pflseg report speed` (pflseg.eval.speed): the round arithmetic against hand-made histories, the
-floors, the tables, the site executor kind of a job folder (its memory sampler: tests/unit/deploy/test_sampling.py)."""
+floor measured by the floor job (pflseg.flare.floor; run in FLARE: tests/integration/test_floor.py), the tables, the
+site executor kind of a job folder (its memory sampler: tests/unit/deploy/test_sampling.py)."""
 
 import argparse
 import ast
@@ -47,22 +48,24 @@ def test_a_single_round_is_measured_and_no_round_is_an_error():
         speed.round_costs([])
 
 
-def test_compare_ratio_fixed_cost_and_floor():
+#: the floor job's results.json history: no site computes; round 1 starts the sites (not measured)
+FLOOR = [{"round": r, "wall_seconds": w, "site_compute_seconds": {"site-1": 0.0, "site-2": 0.0}}
+         for r, w in ((1, 9.0), (2, 0.8), (3, 0.6))]
+
+
+def test_compare_ratio_fixed_cost_and_the_floor_measured_beside_it():
     plain = {"site-1": [9.0, 1.0, 1.0], "site-2": [9.0, 1.0, 1.5]}  # the plain loop's first round is not compared
-    row = speed.compare(speed.round_costs(HISTORY), plain, "executor", "sim")
+    floor = speed.floor_seconds(FLOOR)
+    assert floor == pytest.approx(0.7)  # the median of the measured rounds 2, 3: as a job's
+    row = speed.compare(speed.round_costs(HISTORY), plain, floor=floor)
     assert row["plain_s"] == pytest.approx((1.0 + 1.25) / 2)
     assert row["ratio"] == pytest.approx(1.75 / 1.125)
-    assert row["floor_s"] == 0.6 and row["above_floor_s"] == pytest.approx(2.5 - 0.6)
-    poc = speed.compare(speed.round_costs(HISTORY), None, "client_api", "poc")
+    assert row["floor_s"] == floor and row["above_floor_s"] == pytest.approx(2.5 - 0.7)
+    poc = speed.compare(speed.round_costs(HISTORY), None, floor=speed.floor_seconds(FLOOR[:2]))
     assert poc["plain_s"] is None and poc["ratio"] is None and poc["above_floor_s"] == pytest.approx(2.5 - 0.8)
-    unknown = speed.compare(speed.round_costs(HISTORY), plain, "client_api_external", "sim")
-    assert unknown["floor_s"] is None and unknown["above_floor_s"] is None
-
-
-def test_floors_are_flares_table():
-    assert [speed.floor_seconds(k, e) for k in ("client_api", "executor") for e in ("sim", "poc")] == [1.2, 0.8, 0.6,
-                                                                                                       0.4]
-    assert speed.floor_seconds("unknown", "sim") is None
+    none = speed.compare(speed.round_costs(HISTORY), plain, floor=speed.floor_seconds(None))
+    assert none["floor_s"] is None and none["above_floor_s"] is None
+    assert speed.compare(speed.round_costs(HISTORY), plain) == none  # the GPU check's rows: no floor
 
 
 def test_plain_weighted_average_closed_form():
@@ -81,6 +84,7 @@ def test_job_overrides_keep_sets_but_rounds_sites_size_and_executor_win():
 def result(**more):
     row = {"env": "sim", "job": "fedavg", "executor": "executor", "plain_s": 1.125, "compute_s": 1.75, "ratio": 1.5556,
            "wall_s": 5.0, "slowest_s": 2.5, "fixed_s": 2.5, "floor_s": 0.6, "above_floor_s": 1.9,
+           "floor_parameters": 205_878,
            "peak_total_gib": 2.054, "peak_site_max_gib": 0.651}
     return {"setup": {"sites": 2, "size": 32, "rounds": 3, "threads_per_site": 1, "cores": 2}, "device": "cpu",
             "rows": [row], "plain": {"iopfl": {"none": "its site's round is its own step"}},
@@ -109,7 +113,8 @@ def test_to_markdown_renders_the_rows():
     text = speed.to_markdown(result())
     assert "2 sites, image size 32, 3 rounds (measured: rounds 1..2; medians)" in text
     assert "| " + " | ".join(speed.HEAD) + " |" in text
-    assert "| sim | fedavg | executor | 1.12 | 1.75 | 1.56 | 5.00 | 2.50 | 2.50 | 0.6 | 1.90 | 2.05 / 0.65 |" in text
+    assert "| sim | fedavg | executor | 1.12 | 1.75 | 1.56 | 5.00 | 2.50 | 2.50 | 0.60 | 1.90 | 2.05 / 0.65 |" in text
+    assert "FLARE floor s (this run)" in text and "FLARE floor: measured in this run, just before each job" in text
     assert "iopfl: no plain loop (its site's round is its own step)" in text
     assert "step / fedavg's |" in text
     assert "| grace | GraceController.aggregate | 6 | 8.00 | 0.2000 | 0.0500 | 4.00 | 2.50 |" in text
@@ -165,6 +170,58 @@ def test_executor_kind_of_the_train_task(tmp_path):
     assert speed.executor_kind(job_folder(tmp_path, f"{__name__}.Echo", tasks=["validate"])) == "unknown"
     job = job_folder(tmp_path, f"{__name__}.Echo", tasks=["train"])
     assert speed.executor_kind(job) == "executor"
+
+
+# ---- the floor job beside each job ----------------------------------------------------------------------------------
+def test_the_floor_job_matches_the_job_it_runs_beside(tmp_path):
+    """Its settings come from the exported job: kind, sites, rounds and the net's parameter count (LC-Fed's net sized
+    to the sites, as its server sizes it); the Client API in another process has no floor job."""
+    from pflseg.flare.jobs import export_job
+    from pflseg.nets import build_net
+
+    small = {"channels": [4, 8], "strides": [2], "num_res_units": 0}
+    job = export_job("fedavg", tmp_path, overrides={"rounds": 3, "min_clients": 2, "net": small})
+    setting = speed.floor_setting(job, speed.executor_kind(job), 2)
+    assert setting == {"kind": "executor", "sites": 2, "rounds": 3,
+                       "parameters": sum(p.numel() for p in build_net(small).parameters())}
+    lcfed = export_job("lcfed", tmp_path, overrides={"rounds": 2, "min_clients": 3})
+    three, four = (speed.floor_setting(lcfed, "client_api", n)["parameters"] for n in (3, 4))
+    assert 0 < three < four  # one site embedding per site
+    assert speed.floor_setting(job, "client_api_external", 2) is None
+
+
+def test_the_floor_job_is_a_package_mode_job_of_allowed_classes(tmp_path):
+    from pflseg.flare.allowlist import FLOOR_CLASSES, allow_list, job_classes, narrow_list
+    from pflseg.flare.floor import export_floor_job
+
+    for kind, site in (("executor", "FloorExecutor"), ("client_api", "FloorClientAPIExecutor")):
+        job = export_floor_job(tmp_path, f"fedavg_floor_{kind}", kind, sites=3, rounds=4, parameters=1000)
+        assert not (job / "app" / "custom").exists()  # no code in the job: the sites' pflseg runs
+        server = json.loads((job / "app" / "config" / "config_fed_server.json").read_text())
+        client = json.loads((job / "app" / "config" / "config_fed_client.json").read_text())
+        assert server["workflows"] == [{"id": "controller", "path": "pflseg.flare.floor.FloorController",
+                                        "args": {"job": f"fedavg_floor_{kind}", "rounds": 4, "parameters": 1000}}]
+        assert [e["executor"]["path"] for e in client["executors"]] == [f"pflseg.flare.floor.{site}"]
+        assert json.loads((job / "meta.json").read_text())["min_clients"] == 3
+        assert speed.executor_kind(job) == kind  # the kind the report compares it with
+    assert set(FLOOR_CLASSES) == {f"pflseg.flare.floor.{c}" for c in
+                                  ("FloorController", "FloorExecutor", "FloorClientAPIExecutor")}
+    assert set(FLOOR_CLASSES) <= set(narrow_list()) and set(FLOOR_CLASSES) <= set(allow_list())
+    assert not set(FLOOR_CLASSES) & set(job_classes())
+    with pytest.raises(ValueError, match="site executor kind 'client_api_external'"):
+        export_floor_job(tmp_path, "x", "client_api_external")
+
+
+def test_the_floor_site_sends_the_model_back_unchanged():
+    from nvflare.app_common.abstract.fl_model import FLModel
+    from nvflare.app_common.utils.fl_model_utils import FLModelUtils
+
+    from pflseg.flare.floor import FloorExecutor
+
+    sent = {"w": torch.arange(5, dtype=torch.float32)}
+    reply = FloorExecutor().execute("train", FLModelUtils.to_shareable(FLModel(params=sent)), None, None)
+    back = FLModelUtils.from_shareable(reply)
+    assert torch.equal(back.params["w"], sent["w"]) and back.meta["NUM_STEPS_CURRENT_ROUND"] == 1
 
 
 # ---- plain loop availability, flags -------------------------------------------------------------------------------

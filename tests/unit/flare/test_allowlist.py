@@ -14,6 +14,7 @@ from pflseg.flare.methods import METHODS
 def test_allow_list_names_every_job_class_explicitly(tmp_path):
     classes = pflseg_classes()
     assert "pflseg.flare.executor.SiteExecutor" in classes
+    assert "pflseg.flare.floor.FloorController" in classes  # the speed report's floor job runs in POC too
     assert {f"{c.__module__}.{c.__qualname__}" for c in (m.controller for m in METHODS.values())} <= set(classes)
     res = tmp_path / "resources.json.default"
     res.write_text(json.dumps({"format_version": 2, "class_allow_list": ["nvflare.x.Y"], "components": []}))
