@@ -446,10 +446,21 @@ def plain_weighted_average(states: Sequence[dict], weights: Sequence[float]) -> 
     return {k: sum(pk * s[k].float() for pk, s in zip(p, states)) for k in states[0]}
 
 
+def bound_checks(sent: dict, states: Sequence[dict]) -> None:
+    """What the server's guard does to a round's answers before any method weighs them (``pflseg.flare.guard.screen``
+    with the default ``robust`` settings): the update norms (whole and per tensor, for the norm bound) once, then the
+    clip at 3 x the other sites' median."""
+    from pflseg.algorithms.robust import clip_updates, update_norms
+
+    update_norms({str(i): st for i, st in enumerate(states)}, {str(i): sent for i in range(len(states))})
+    clip_updates(sent, states, 3.0, list(sent))
+
+
 def aggregation_times(jobs: Sequence[str], n_sites: int = 6, repeats: int = 3, net: dict | None = None) -> list[dict]:
     """Each job's server aggregation step (its controller's ``aggregate``) over ``n_sites`` Gaussian updates of its
     net (UNet jobs: ``net``, default ``grace_benchmark.NET``, ~8 M parameters) against ``plain_weighted_average`` of
-    the same tensors, every step and average timed interleaved in one loop (jobs on the same net share the updates),
+    the same tensors and beside the guard's bound checks of those updates (``bound_checks``: ``checks_s``,
+    ``checks_ratio``), every step and average timed interleaved in one loop (jobs on the same net share the updates),
     so the steps compare with each other too (``vs_first``: the step / the step of the first job that has one,
     named in ``first``; ``--methods fedavg grace`` gives GRACE's against FedAvg's). A
     controller without an ``aggregate`` step gets a row with a ``note``."""
@@ -492,6 +503,7 @@ def aggregation_times(jobs: Sequence[str], n_sites: int = 6, repeats: int = 3, n
                            for s, st, w in zip(sites, states, weights)}
                 updates[key] = (g, states, results)
                 fns[f"plain {key}"] = lambda states=states: plain_weighted_average(states, weights)
+                fns[f"checks {key}"] = lambda g=g, states=states: bound_checks(g, states)
             g, _, results = updates[key]
             fns[job] = lambda ctrl=ctrl, results=results, g=g: ctrl.aggregate(results, g, 0)
             params = sum(p.numel() for p in build_net(ctrl.cfg["net"]).parameters())
@@ -501,8 +513,10 @@ def aggregation_times(jobs: Sequence[str], n_sites: int = 6, repeats: int = 3, n
     first = next((row["job"] for row in rows if row.get("step")), None)
     for row in rows:
         if row.get("step"):
-            row.update(step_s=t[row["job"]], plain_s=t[f"plain {row.pop('net')}"], first=first)
+            net = row.pop("net")
+            row.update(step_s=t[row["job"]], plain_s=t[f"plain {net}"], checks_s=t[f"checks {net}"], first=first)
             row["ratio"] = row["step_s"] / row["plain_s"]
+            row["checks_ratio"] = row["checks_s"] / row["plain_s"]
             row["vs_first"] = row["step_s"] / t[first]
     return rows
 
@@ -805,10 +819,13 @@ def to_markdown(result: dict) -> str:
         first = next((a["first"] for a in agg if a.get("first")), None)
         lines.append(markdown_table(
             ["job", "server step", "sites", "parameters (M)", "step s", "plain weighted average s", "step / plain",
-             f"step / {first}'s"],
+             f"step / {first}'s", "bound checks s", "checks / plain"],
             [[a["job"], a.get("note") or a["step"], a.get("sites", "-"),
               _num(a["parameters"] / 1e6 if "parameters" in a else None, 2), _num(a.get("step_s"), 4),
-              _num(a.get("plain_s"), 4), _num(a.get("ratio"), 2), _num(a.get("vs_first"), 2)] for a in agg]))
+              _num(a.get("plain_s"), 4), _num(a.get("ratio"), 2), _num(a.get("vs_first"), 2),
+              _num(a.get("checks_s"), 4), _num(a.get("checks_ratio"), 2)] for a in agg]))
+        lines.append("Bound checks: the guard's work on the same updates before any method weighs them (update norms "
+                     "for the norm bound, then the clip; robust defaults), in float64 as the guard computes them.")
     if result.get("scaling"):
         lines += ["", "Scaling (simulator; routing: IOP-FL test-time routing, one process):", "",
                   scaling_markdown(result["scaling"])]

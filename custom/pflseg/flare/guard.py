@@ -37,7 +37,7 @@ import torch
 from nvflare.app_common.abstract.fl_model import FLMetaKey
 
 from pflseg.algorithms.robust import aggregate as robust_aggregate
-from pflseg.algorithms.robust import clip_updates, combine_rows, norm_outliers, norm_ratios
+from pflseg.algorithms.robust import clip_updates, combine_rows, norm_outliers, norm_ratios, update_norms
 from pflseg.flare.server_state import ServerState
 from pflseg.flare.wire import MOMENT
 
@@ -65,10 +65,11 @@ def screen(ctrl, task: str, payloads: dict, usable: dict, reference: dict | None
     if reference and len(usable) >= 2 and bounds["norm_ratio"] > 0:
         answers = {s: res.params or {} for s, res in usable.items()}
         sent = {s: (payloads[s].params or {}) for s in usable}
-        whole, tensor, key = norm_ratios(answers, sent, NOT_PER_TENSOR)
+        norms = update_norms(answers, sent)  # once for the log line and the bound
+        whole, tensor, key = norm_ratios(answers, sent, NOT_PER_TENSOR, norms)
         ctrl.info(f"{task}: update norms: at most {whole:.3g} x the other sites' median (whole update), {tensor:.3g} x "
                   f"(one tensor{', ' + key if key else ''}); bound {bounds['norm_ratio']:g} x")
-        for site, reason in norm_outliers(answers, sent, bounds["norm_ratio"], NOT_PER_TENSOR).items():
+        for site, reason in norm_outliers(answers, sent, bounds["norm_ratio"], NOT_PER_TENSOR, norms).items():
             ctrl.error(f"{task}: site {site} left out of this round: {reason}")
             ctrl.missing[site] = reason
             del usable[site]

@@ -106,6 +106,7 @@ def test_aggregation_steps_are_timed_together_against_fedavgs_and_a_plain_averag
     for job in ("fedavg", "fedprox", "grace", "lcfed"):
         assert rows[job]["first"] == "fedavg" and rows[job]["step_s"] > 0 and rows[job]["plain_s"] > 0
         assert rows[job]["vs_first"] == rows[job]["step_s"] / rows["fedavg"]["step_s"]
+        assert rows[job]["checks_s"] > 0 and rows[job]["checks_ratio"] == rows[job]["checks_s"] / rows[job]["plain_s"]
     assert rows["fedavg"]["parameters"] == rows["grace"]["parameters"] < rows["lcfed"]["parameters"]
 
 
@@ -117,8 +118,8 @@ def test_to_markdown_renders_the_rows():
     assert "FLARE floor s (this run)" in text and "FLARE floor: measured in this run, just before each job" in text
     assert "iopfl: no plain loop (its site's round is its own step)" in text
     assert "step / fedavg's |" in text
-    assert "| grace | GraceController.aggregate | 6 | 8.00 | 0.2000 | 0.0500 | 4.00 | 2.50 |" in text
-    assert "| local | LocalController aggregates nothing | - | - | - | - | - | - |" in text
+    assert "| grace | GraceController.aggregate | 6 | 8.00 | 0.2000 | 0.0500 | 4.00 | 2.50 | - | - |" in text
+    assert "| local | LocalController aggregates nothing | - | - | - | - | - | - | - | - |" in text
     assert "error:" not in text and "Scaling" not in text
 
 
