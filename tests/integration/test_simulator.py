@@ -108,11 +108,14 @@ def assert_same_states(a: dict, b: dict):
 # centralized_lcnet is centralized (run here) on ft's net (run here): a yaml-only variant needs no run of its own; so
 # are grace_refcode (grace with grace.self_similarity: exclude, unit-tested in test_grace.py) and lcfed_hczero /
 # lcfed_hcself (lcfed with lcfed.hc_map: zeros / self_uncertainty, unit-tested in test_lcfed.py and the site /
-# controller tests); fedavg_tiny (fedavg, smaller) is the README quick start's first command, run in test_quickstart.py
+# controller tests); fedavg_tiny (fedavg, smaller) is the README quick start's first command, run in test_quickstart.py;
+# fedavg itself runs in the simulator in test_malicious, test_stop, test_update_privacy, test_generic_data and
+# test_error_text (fedprox, here, is its controller with the sites' proximal term)
 COVERED_ELSEWHERE = ("fedsm", "fedsm_extra", "fedsm_fundus", "fedsm_infer", "fedbn", "grace", "lcfed", "iopfl",
                      "iopfl_route", "centralized_lcnet", "grace_refcode", "lcfed_hczero", "lcfed_hcself",
                      "cross_site",  # test_cross_site.py
                      "fedavg_tiny",  # test_quickstart.py
+                     "fedavg",  # test_malicious.py, test_stop.py, test_update_privacy.py, ...
                      "ditto")  # test_ditto.py
 
 
@@ -120,7 +123,6 @@ COVERED_ELSEWHERE = ("fedsm", "fedsm_extra", "fedsm_fundus", "fedsm_infer", "fed
 #: model scored at the sites, the LC-Fed table's IoU / ASSD, the coarse head scored (HC), classes, FT entries
 EXPECT = {
     "local":              dict(sites=2, rounds=2, glob=False, iou=False, coarse=False, classes=1),
-    "fedavg":             dict(sites=2, rounds=2, glob=True, iou=False, coarse=False, classes=1),
     "fedprox":            dict(sites=2, rounds=2, glob=True, iou=False, coarse=False, classes=1),
     "centralized":        dict(sites=2, rounds=2, glob=True, iou=False, coarse=False, classes=1),
     "fedsm_extra_fundus": dict(sites=2, rounds=3, glob=True, iou=False, coarse=False, classes=2),
