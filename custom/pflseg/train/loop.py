@@ -111,7 +111,9 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    # torch.use_deterministic_algorithms(True, warn_only=True) sets the same switch but first imports TorchInductor's
+    # config (and with it sympy): 2.3-3.3 s of every site and server process's start, for a compiler pflseg never uses
+    torch.set_deterministic_debug_mode("warn")
     if torch.backends.cudnn.is_available():
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True
