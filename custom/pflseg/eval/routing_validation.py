@@ -138,7 +138,7 @@ def validate_routing(bundle: str | Path, run_config: dict, data: str | Path, sit
         dataset = site_images(data, site, size)
         labels = _labels(dataset)
         for name, over in variants.items():
-            cfg = {**copy.deepcopy(run_config[section]), "lr_guard": 0.0, **over}
+            cfg = {**copy.deepcopy(run_config[section]), **over}
             if steps:
                 cfg["steps"] = steps
             t0 = time.time()

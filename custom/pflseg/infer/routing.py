@@ -3,7 +3,7 @@
 Given the K local adapted models P_1..P_K and the global model w_g (the routing bundle) and a site's images,
 :func:`route_site` runs the routed models and every comparator (``NORM``: each method with its normalisation
 treatment) on them, unlabeled; labels, where present, only score. What each method computes, the router variants'
-settings (:func:`settings`), the step budget, the learning-rate grid and collapse guard, the diagnostics and mixed
+settings (:func:`settings`), the step budget, the learning-rate grid, the diagnostics and mixed
 precision (``train.amp``): pflseg/algorithms/METHODS.md, "IOP-FL", "Outside: test-time routing".
 """
 
@@ -91,27 +91,24 @@ class StaticComparators(nn.Module):
         return out
 
 
-#: what a router variant does where the config leaves a key null (METHODS.md); an empty lr_grid = iopfl.lr,
-#: an lr_guard of 0 = no collapse guard. Every variant now adapts at ``iopfl.lr`` without a guard: on validation
-#: outside sites the grid's lowest final loss picked 1e-1, which scored below 1e-3 (``pflseg report
-#: routing-validation``; docs/benchmark.md), and with the size prior in the loss the foreground no longer collapses
-_PAPER = {"loss_weights": "paper", "norm_affine": False, "rot_flip": False, "rest": "average", "lr_grid": [],
-          "lr_guard": 0.0}
+#: what a router variant does where the config leaves a key null (METHODS.md); an empty lr_grid = iopfl.lr.
+#: Every variant adapts at ``iopfl.lr``: on validation outside sites the grid's lowest final loss picked 1e-1,
+#: which scored below 1e-3 (``pflseg report routing-validation``; docs/benchmark.md)
+_PAPER = {"loss_weights": "paper", "norm_affine": False, "rot_flip": False, "rest": "average", "lr_grid": []}
 VARIANTS = {"paper": _PAPER, "normalised": dict(_PAPER),
             "refcode": {"loss_weights": "refcode", "norm_affine": True, "rot_flip": True, "rest": "global",
-                        "lr_grid": [], "lr_guard": 0.0}}
+                        "lr_grid": []}}
 
 
 def settings(cfg: dict) -> dict:
     """The effective routing settings of the ``iopfl`` config section: ``router``, and ``loss_weights``,
-    ``norm_affine``, ``rot_flip``, ``rest``, ``lr_grid``, ``lr_guard`` with null values taken from the router's variant
+    ``norm_affine``, ``rot_flip``, ``rest``, ``lr_grid`` with null values taken from the router's variant
     (``VARIANTS``: ``refcode`` and ``normalised`` their own, every other router the paper's), the rates tried
     (``lr_grid``, [``lr``] when it is empty) and ``normalised`` (the coefficient routers of the ablations follow
     the ``normalised`` router)."""
     own = VARIANTS.get(cfg["router"], VARIANTS["paper"])
     out = {"router": cfg["router"], **{k: own[k] if cfg.get(k) is None else cfg[k] for k in own}}
     out["lr_grid"] = [float(x) for x in out["lr_grid"] or [cfg["lr"]]]
-    out["lr_guard"] = float(out["lr_guard"])
     out["normalised"] = cfg["router"] == "normalised"
     out["shape_reduction"] = cfg.get("shape_reduction", "mean")
     out["size_prior"] = float(cfg.get("size_prior", 0.0))
@@ -223,64 +220,41 @@ def final_loss(model: nn.Module, dataset: Dataset, device, weights: dict, cfg: d
     return total / count, foreground / count, agreement
 
 
-def departs(foreground: float, start: float, tolerance: float) -> bool:
-    """Whether a predicted foreground fraction has left the starting model's by more than ``tolerance``, relative:
-    |foreground - start| > tolerance * start (a start of 0 tolerates only 0; a non-finite fraction departs).
-    ``tolerance`` 0 = no guard: nothing departs."""
-    if not tolerance:
-        return False
-    return not math.isfinite(foreground) or abs(foreground - start) > tolerance * start
-
-
-def choose_lr(grid: Sequence[float], trial, start_foreground: float = 0.0, tolerance: float = 0.0
-              ) -> tuple[float, list[dict]]:
-    """The rate of ``grid`` to adapt at, from ``trial(lr)`` -> (final unsupervised loss, final foreground fraction).
-
-    With the collapse guard (``tolerance`` > 0) a rate whose foreground :func:`departs` from ``start_foreground``
-    is refused; the lowest loss among the rest wins, and when every rate is refused the smallest rate (the
-    gentlest; the caller then checks its full run again). ``tolerance`` 0: the lowest loss wins. Ties keep the
-    first; a non-finite loss never wins.
+def choose_lr(grid: Sequence[float], trial) -> tuple[float, list[dict]]:
+    """The rate of ``grid`` to adapt at, from ``trial(lr)`` -> (final unsupervised loss, final foreground fraction):
+    the lowest loss wins, ties keep the first, a non-finite loss never wins.
 
     Returns:
-        (rate, [{"lr", "final_loss", "foreground", "refused"} per rate, grid order]).
+        (rate, [{"lr", "final_loss", "foreground"} per rate, grid order]).
     """
     table = []
     for lr in grid:
         loss, foreground = trial(lr)
-        table.append({"lr": float(lr), "final_loss": float(loss), "foreground": float(foreground),
-                      "refused": departs(float(foreground), start_foreground, tolerance)})
+        table.append({"lr": float(lr), "final_loss": float(loss), "foreground": float(foreground)})
     finite = [x for x in table if math.isfinite(x["final_loss"])]
     if not finite:
         raise FloatingPointError(f"routing: the unsupervised loss is not finite at any rate of iopfl.lr_grid "
                                  f"{list(grid)}; lower the rates")
-    kept = [x for x in finite if not x["refused"]]
-    if kept:
-        return min(kept, key=lambda x: x["final_loss"])["lr"], table
-    return min(x["lr"] for x in finite), table
+    return min(finite, key=lambda x: x["final_loss"])["lr"], table
 
 
 def _trainable(routed: nn.Module, norm_affine: bool) -> list:
     return router_parameters(routed) + (norm_affine_parameters(routed) if norm_affine else [])
 
 
-def route_with_lr(build, dataset: Dataset, device, weights: dict, cfg: dict, seed: int, start_foreground: float,
+def route_with_lr(build, dataset: Dataset, device, weights: dict, cfg: dict, seed: int,
                   reference: dict | None = None, amp: str = "off") -> tuple[nn.Module, dict]:
     """Adapt the routed model ``build()`` makes at the rate :func:`choose_lr` picks from the grid
-    (METHODS.md), or at the one rate, under the collapse guard of ``lr_guard`` (:func:`settings`): the whole run
-    at that rate is refused when its final foreground :func:`departs` from ``start_foreground`` (the starting
-    model's); the caller then keeps the starting model. Every model is built after ``seed_everything(seed)``
-    (one router init).
+    (METHODS.md), or at the one rate. Every model is built after ``seed_everything(seed)`` (one router init).
 
     Args:
-        start_foreground: the starting model's predicted foreground fraction (:func:`final_loss`).
         reference: the starting model's :func:`predict` (the agreement diagnostic), or None.
         amp: ``train.amp`` of the runs and their final losses (METHODS.md).
 
     Returns:
-        (the adapted model, or the starting model when refused, {"best", "seconds" (trials included), "steps",
-        "visits", "run_seconds" (the run at the rate), "lr", "lr_grid": [{"lr", "final_loss", "foreground",
-        "refused", "agreement"}] after ``lr_trial_steps`` (None for one rate), "final_loss", "foreground" and
-        "agreement" of the run at the rate, "refused"}).
+        (the adapted model, {"best", "seconds" (trials included), "steps", "visits", "run_seconds" (the run at
+        the rate), "lr", "lr_grid": [{"lr", "final_loss", "foreground", "agreement"}] after ``lr_trial_steps``
+        (None for one rate), "final_loss", "foreground" and "agreement" of the run at the rate}).
     """
     s = settings(cfg)
     steps = budget(len(dataset), cfg)
@@ -300,18 +274,11 @@ def route_with_lr(build, dataset: Dataset, device, weights: dict, cfg: dict, see
         runs[lr] = run(lr, trial_steps)
         return runs[lr][1]["final_loss"], runs[lr][1]["foreground"]
 
-    def guarded(model, out):
-        out["refused"] = departs(out["foreground"], start_foreground, s["lr_guard"])
-        if out["refused"]:
-            seed_everything(seed)
-            model = build().to(device)
-        return model, out
-
     grid = s["lr_grid"]
     if len(grid) == 1:
         model, out = run(grid[0], steps)
-        return guarded(model, {**out, "run_seconds": out["seconds"], "lr": grid[0], "lr_grid": None})
-    lr, losses = choose_lr(grid, trial, start_foreground, s["lr_guard"])
+        return model, {**out, "run_seconds": out["seconds"], "lr": grid[0], "lr_grid": None}
+    lr, losses = choose_lr(grid, trial)
     for entry in losses:
         entry["agreement"] = runs[entry["lr"]][1]["agreement"]
     spent = sum(r[1]["seconds"] for r in runs.values())
@@ -320,7 +287,7 @@ def route_with_lr(build, dataset: Dataset, device, weights: dict, cfg: dict, see
     run_seconds = out["seconds"]
     if trial_steps != steps:
         spent += run_seconds
-    return guarded(model, {**out, "seconds": spent, "run_seconds": run_seconds, "lr": lr, "lr_grid": losses})
+    return model, {**out, "seconds": spent, "run_seconds": run_seconds, "lr": lr, "lr_grid": losses}
 
 
 def tent(model: nn.Module, dataset: Dataset, device, cfg: dict, seed: int,
@@ -455,7 +422,7 @@ def _adapt_router(kind: str, experts: list[nn.Module], s: dict, dataset: Dataset
     loss, foreground, _ = final_loss(model, dataset, device, weights, cfg, seed, amp=amp)
     preds = predict(model, dataset, device, cfg["batch_size"], seed, amp)
     del model
-    routed, run = route_with_lr(build, dataset, device, weights, cfg, seed, foreground, preds, amp)
+    routed, run = route_with_lr(build, dataset, device, weights, cfg, seed, preds, amp)
     return routed, run, {"coef": coef, "loss": loss, "foreground": foreground, "preds": preds}
 
 
@@ -535,14 +502,14 @@ def route_site(experts: list[nn.Module], global_model: nn.Module, dataset: Datas
             preds["routing_step0"] = start["preds"]
             preds["routing_final"] = predict(routed, dataset, device, cfg["batch_size"], seed, amp)
             seconds["routing_final"] = run["seconds"]
-        preds[name] = start["preds"] if run["refused"] else run["best"].pred  # refused: the starting model's
+        preds[name] = run["best"].pred
         seconds[name] = run["seconds"]
         kept_seconds[name] = run["run_seconds"] / run["visits"]
         coefficients[name] = mean_coefficients(routed, dataset, device, batch_size, start=start["coef"], amp=amp)
         adaptation[name] = {"lr": run["lr"], "lr_grid": run["lr_grid"], "steps": run["steps"],
                             "start_loss": start["loss"], "final_loss": run["final_loss"],
                             "start_foreground": start["foreground"], "foreground": run["foreground"],
-                            "agreement": run["agreement"], "refused": run["refused"]}
+                            "agreement": run["agreement"]}
     tent_note = None
     tent_steps = {"tent": None, "tent_epochs": steps, "tent_average": None}
     average = copy.deepcopy(global_model)

@@ -13,7 +13,7 @@ from pflseg.nets import build_net
 NET = {"name": "unet", "channels": [4, 8], "strides": [2], "num_res_units": 1, "norm": "batch", "in_channels": 1,
        "out_channels": 1, "dropout": 0.0}
 IOPFL = {"router": "normalised", "loss_weights": None, "norm_affine": None, "rot_flip": None, "rest": None,
-         "lr_grid": None, "lr_guard": None, "beta": 0.01, "noise_std": 0.5, "shape_radius": 1, "epochs": 1, "steps": 0,
+         "lr_grid": None, "beta": 0.01, "noise_std": 0.5, "shape_radius": 1, "epochs": 1, "steps": 0,
          "lr": 1e-3, "lr_trial_steps": 0, "batch_size": 4, "shape_reduction": "mean", "size_prior": 1.0}
 
 

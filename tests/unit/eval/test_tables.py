@@ -67,7 +67,7 @@ def test_the_routing_table_shows_what_the_adaptation_did_and_each_experts_dice()
     from pflseg.flare.controllers.iopfl import route_table
 
     adapt = {"lr": 0.01, "steps": 200, "start_loss": 1.5, "final_loss": 1.25, "start_foreground": 0.05,
-             "foreground": 0.0625, "refused": False}
+             "foreground": 0.0625}
     route = {"methods": {"routing": {"dice": 0.5}}, "seconds_per_sample": 0.1,
              "coefficients": {"routing": {"movement_mean": 0.125}},
              "diagnostics": {"adaptation": {"routing": adapt}, "settings": {"prior": [0.04]},
@@ -75,7 +75,7 @@ def test_the_routing_table_shows_what_the_adaptation_did_and_each_experts_dice()
     lines = route_table({"route": {"site-4": route}}).splitlines()
     row = next(line for line in lines if line.startswith("| site-4 | ") and "0.01" in line)
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[2:] == ["0.01", "200", "1.5 -> 1.25", "0.0500 -> 0.0625", "0.0400", "0.1250", "no"]
+    assert cells[2:] == ["0.01", "200", "1.5 -> 1.25", "0.0500 -> 0.0625", "0.0400", "0.1250"]
     assert "- site-4: P_1 0.2500 / 0.3750, w_g 0.5000 / 0.6250" in lines
     assert not any("Routing diagnostics" in line for line in route_table(
         {"route": {"site-4": {"methods": {"routing": {"dice": 0.5}}, "seconds_per_sample": 0.1}}}).splitlines())

@@ -30,7 +30,7 @@ from tests.unit.train.test_amp import ConvDtypes, Discs, cpu_grad_scalers, train
 CPU = torch.device("cpu")
 CFG = {"router": "normalised", "loss_weights": "paper", "beta": 0.01, "noise_std": 0.5, "rot_flip": False,
        "shape_radius": 1, "epochs": 1, "steps": 0, "lr": 1e-2, "lr_grid": [], "lr_trial_steps": 0, "batch_size": 4,
-       "norm_affine": False, "rest": None, "lr_guard": 0.0}
+       "norm_affine": False, "rest": None}
 
 
 @pytest.fixture(scope="module")

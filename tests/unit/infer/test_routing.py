@@ -6,14 +6,12 @@ from torch import nn
 
 from pflseg.algorithms.routing import build_routed_model, loss_weights, router_parameters, use_batch_stats
 from pflseg.config import ConfigError, load_job_config
-from pflseg.flare.methods import method
 from pflseg.infer.routing import (
     METHODS,
     StaticComparators,
     adapt,
     budget,
     choose_lr,
-    departs,
     final_loss,
     route_site,
     settings,
@@ -25,7 +23,7 @@ from pflseg.train.loop import make_loader, seed_everything
 NET = {"channels": [4, 8], "strides": [2], "num_res_units": 0}
 CFG = {"router": "paper", "loss_weights": "paper", "beta": 0.01, "noise_std": 0.5, "rot_flip": False, "shape_radius": 1,
        "epochs": 1, "steps": 0, "lr": 1e-3, "lr_grid": [], "lr_trial_steps": 0, "batch_size": 2, "norm_affine": False,
-       "rest": None, "lr_guard": None}
+       "rest": None}
 
 
 def sample(case, labelled):
@@ -184,69 +182,26 @@ def test_adam_takes_exactly_the_configured_steps():
     assert len(seen) == 5
 
 
-def test_choose_lr_without_guard_keeps_the_rate_of_lowest_final_loss_and_never_a_non_finite_one():
+def test_choose_lr_keeps_the_rate_of_lowest_final_loss_and_never_a_non_finite_one():
     trials = {1e-3: (0.5, 0.2), 1e-2: (0.2, 0.1), 1e-1: (float("nan"), 0.2)}
     lr, table = choose_lr([1e-3, 1e-2, 1e-1], trials.get)
-    assert lr == 1e-2 and [x["final_loss"] for x in table][:2] == [0.5, 0.2]
-    assert [x["refused"] for x in table] == [False] * 3  # tolerance 0: no guard
+    assert lr == 1e-2 and [(x["lr"], x["final_loss"], x["foreground"]) for x in table][:2] == [(1e-3, 0.5, 0.2),
+                                                                                             (1e-2, 0.2, 0.1)]
     assert choose_lr([1e-3, 1e-2], {1e-3: (0.1, 0.2), 1e-2: (0.1, 0.2)}.get)[0] == 1e-3  # ties keep the first
     with pytest.raises(FloatingPointError, match="lr_grid"):
         choose_lr([1e-3], lambda lr: (float("inf"), 0.2))
 
 
-def test_departs_is_the_relative_change_of_the_foreground_beyond_the_tolerance():
-    assert not departs(0.185, 0.2, 0.1) and not departs(0.215, 0.2, 0.1)  # 7.5 %: kept
-    assert departs(0.17, 0.2, 0.1) and departs(0.23, 0.2, 0.1)  # 15 %: shrunk or grown, refused
-    assert departs(float("nan"), 0.2, 0.1)
-    assert not departs(0.0, 0.0, 0.1) and departs(0.01, 0.0, 0.1)  # an empty start tolerates only empty
-    assert not departs(0.0, 0.2, 0.0)  # tolerance 0: no guard
-
-
-def test_the_collapse_guard_refuses_departing_rates_before_comparing_losses():
-    # prepare: the foreground starts at 0.20; 1e-1 has the lowest loss but shrank it by 25 %
-    trials = {1e-3: (1.50, 0.19), 1e-2: (1.40, 0.185), 1e-1: (1.30, 0.15)}
-    # execute
-    lr, table = choose_lr([1e-3, 1e-2, 1e-1], trials.get, start_foreground=0.20, tolerance=0.1)
-    # assert: 1e-1 refused; the lowest loss of the rest (1e-2, 7.5 %) wins; the table says what was refused
-    assert lr == 1e-2
-    assert [(x["lr"], x["final_loss"], x["foreground"], x["refused"]) for x in table] == [
-        (1e-3, 1.50, 0.19, False), (1e-2, 1.40, 0.185, False), (1e-1, 1.30, 0.15, True)]
-    # a tighter tolerance (5 %) leaves 1e-3 only
-    assert choose_lr([1e-3, 1e-2, 1e-1], trials.get, 0.20, 0.05)[0] == 1e-3
-    # every rate refused: the smallest rate (its full run is checked again by the caller)
-    assert choose_lr([1e-1, 1e-2], {1e-2: (1.4, 0.1), 1e-1: (1.3, 0.1)}.get, 0.20, 0.1)[0] == 1e-2
-    # no guard: the collapse wins
-    assert choose_lr([1e-3, 1e-2, 1e-1], trials.get, 0.20, 0.0)[0] == 1e-1
-
-
-@pytest.mark.parametrize("bad", [-0.1, 11, True, "0.1", [0.1]])
-def test_a_bad_collapse_guard_is_a_config_error_naming_the_key(bad):
-    with pytest.raises(ConfigError, match=r"iopfl\.lr_guard"):
-        method(load_job_config("iopfl_route", overrides={"iopfl": {"lr_guard": bad}}))
-    assert load_job_config("iopfl_route", overrides={"iopfl": {"lr_guard": 0}})["iopfl"]["lr_guard"] == 0
-
-
-@pytest.mark.parametrize("tolerance, refused", [(1e-9, True), (10.0, False)])
-def test_a_refused_run_keeps_the_starting_model(tolerance, refused):
-    # prepare: a rate that moves the routers; a tolerance any change exceeds, or none can
-    experts, data = nets(), [sample("c" * n, True) for n in range(1, 6)]
-    cfg = {**CFG, "router": "normalised", "lr_grid": [0.5], "lr_guard": tolerance}
-    # execute
-    res = route_site(experts[:2], experts[2], data, "cpu", cfg, comparators=[])
-    run = res["diagnostics"]["adaptation"]["routing"]
-    # assert: refused = routing predicts as the start (routing_step0) and its routers report no movement
-    assert run["foreground"] != run["start_foreground"] and run["refused"] is refused
-    assert 0.0 <= run["agreement"] < 1.0
-    assert (res["methods"]["routing"]["dice"] == res["diagnostics"]["start"]["routing_step0"]) is refused
-    assert (res["coefficients"]["routing"]["movement_mean"] == 0.0) is refused
+def test_the_removed_collapse_guard_is_an_unknown_key():
+    with pytest.raises(ConfigError, match=r"unknown key 'iopfl\.lr_guard'"):
+        load_job_config("iopfl_route", overrides={"iopfl": {"lr_guard": 0.1}})
 
 
 @pytest.mark.parametrize("trial_steps", [0, 2])  # trials of the whole budget (6 steps), or of 2 steps then a full run
 def test_the_rate_routing_keeps_is_the_one_of_lowest_final_unsupervised_loss(trial_steps):
     # prepare
     experts, data = nets(), [sample("c" * n, True) for n in range(1, 6)]
-    cfg = {**CFG, "router": "normalised", "lr_grid": [1e-3, 1e-1, 1.0], "epochs": 2, "lr_trial_steps": trial_steps,
-           "lr_guard": 0.0}  # no collapse guard
+    cfg = {**CFG, "router": "normalised", "lr_grid": [1e-3, 1e-1, 1.0], "epochs": 2, "lr_trial_steps": trial_steps}
     # execute
     res = route_site(experts[:2], experts[2], data, "cpu", cfg, comparators=[])
     run = res["diagnostics"]["adaptation"]["routing"]
@@ -280,6 +235,7 @@ def test_diagnostics_report_experts_movement_and_the_start():
     # routing at step 0, same treatment, is average_bn; reported next to routing
     assert d["start"]["routing_step0"] == d["start"]["average_bn"] == moved["methods"]["average_bn"]["dice"]
     assert d["start"]["routing"] == moved["methods"]["routing"]["dice"]
+    assert 0.0 <= d["adaptation"]["routing"]["agreement"] < 1.0  # the adapted predictions' Dice with the start's
     # coefficient movement per routed layer: none at lr 0, some at lr 0.5
     for name in ("routing", "routing_global", "routing_layer"):
         n_layers = len(moved["coefficients"][name]["layers"])
@@ -304,6 +260,4 @@ def test_refcode_profile_fills_what_the_config_leaves_open():
     open_grid = {**CFG, "lr_grid": None}
     for router in ("paper", "refcode", "normalised"):
         assert settings({**open_grid, "router": router})["lr_grid"] == [CFG["lr"]], router
-        assert settings({**open_grid, "router": router})["lr_guard"] == 0, router  # no collapse guard by default
     assert settings({**open_grid, "router": "normalised"})["normalised"]
-    assert settings({**open_grid, "router": "normalised", "lr_guard": 0.1})["lr_guard"] == 0.1  # explicit wins

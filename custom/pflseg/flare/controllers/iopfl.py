@@ -61,11 +61,6 @@ class IOPFLSection:
                 isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0 for x in grid)):
             raise ConfigError(f"{source}: iopfl.lr_grid must be null or a list of at most 8 positive learning rates "
                               f"([] = iopfl.lr), got {grid!r}")
-        guard = iopfl["lr_guard"]  # null = the router variant's own; 0 = no collapse guard
-        if guard is not None and (isinstance(guard, bool) or not isinstance(guard, (int, float))
-                                  or not 0 <= guard <= 10):
-            raise ConfigError(f"{source}: iopfl.lr_guard must be null or a relative tolerance in [0, 10] (0 = no "
-                              f"collapse guard), got {guard!r}")
         unknown = [m for m in iopfl["comparators"] if m not in ROUTE_SCORED]
         if unknown:
             raise ConfigError(f"{source}: iopfl.comparators: unknown {unknown}; a list of {', '.join(ROUTE_SCORED)} "
@@ -209,7 +204,7 @@ def route_table(results: Mapping) -> str:
 def route_diagnostics(rows: Mapping) -> list[str]:
     """Markdown lines: per outside site and routing variant, what the adaptation did (learning rate, steps, the
     unsupervised loss and the predicted foreground fraction from start to end against the size prior, the
-    routers' mean movement from their start, refused or not), and each expert's Dice there (scoring only: read
+    routers' mean movement from their start), and each expert's Dice there (scoring only: read
     from the site's labels after routing, never used by it). Empty for results without diagnostics."""
     lines, experts = [], []
     for site, r in sorted(rows.items()):
@@ -220,7 +215,7 @@ def route_diagnostics(rows: Mapping) -> list[str]:
             lines.append([site, route_label(variant), f"{a['lr']:g}", str(a["steps"]),
                           f"{a['start_loss']:.4g} -> {a['final_loss']:.4g}",
                           f"{a['start_foreground']:.4f} -> {a['foreground']:.4f}", prior,
-                          "-" if moved is None else f"{moved:.4f}", "yes" if a["refused"] else "no"])
+                          "-" if moved is None else f"{moved:.4f}"])
         if "experts" in diag:
             e = diag["experts"]
             experts.append(f"- {site}: " + ", ".join(f"{n} {d:.4f} / {b:.4f}" for n, d, b in
@@ -228,7 +223,7 @@ def route_diagnostics(rows: Mapping) -> list[str]:
     if not lines:
         return []
     table = markdown_table(["outside site", "routing variant", "lr", "steps", "loss start -> end",
-                            "foreground start -> end", "size prior", "router movement", "refused"], lines)
+                            "foreground start -> end", "size prior", "router movement"], lines)
     return ["", "Routing diagnostics (foreground: predicted foreground fraction of the test images; router movement: "
             "mean |coefficient - start| over layers):", "", table,
             *(["", "Each expert's test Dice there, running / test-batch statistics (scoring only):", *experts]
