@@ -140,7 +140,14 @@ def test_every_job_is_run_by_a_test():
     assert set(job_names()) - set(COVERED_ELSEWHERE) == set(EXPECT)
 
 
-@pytest.mark.parametrize("name", sorted(EXPECT))
+#: job variants whose code the suite runs elsewhere in FLARE (GRACE's server in grace_server, LC-Fed without head
+#: calibration in lcfed_fundus's network and sites) and in process (their site classes: tests/unit/flare/sites/):
+#: run with ``-m extended`` (docs/testing.md)
+EXTENDED = ("grace_client", "lcfed_nohc")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.extended) if n in EXTENDED else n
+                                  for n in sorted(EXPECT)])
 def test_job_completes_with_per_site_test_dice(name, tmp_path, data):
     expect = EXPECT[name]
     sites = [f"site-{i}" for i in range(1, expect["sites"] + 1)]
@@ -178,7 +185,8 @@ def test_job_completes_with_per_site_test_dice(name, tmp_path, data):
         assert tb == set(sites)
 
 
-@pytest.mark.parametrize("name", [pytest.param(SHARED, marks=ONE_WORKER), "grace", "lcfed"])
+@pytest.mark.parametrize("name", [pytest.param(SHARED, marks=ONE_WORKER),
+                                  *(pytest.param(n, marks=pytest.mark.extended) for n in ("grace", "lcfed"))])
 def test_threads_and_resume_do_not_change_the_models(name, tmp_path, data, monkeypatch, straight_run):
     """An uninterrupted run with -t 2 against one with -t 1 stopped after round 1 and resumed with -t 2: equal
     final models (server checkpoint and every site's state) prove thread-count invariance and exact resume at
@@ -188,7 +196,10 @@ def test_threads_and_resume_do_not_change_the_models(name, tmp_path, data, monke
     across missed rounds: sites/test_faults.py.)
     GRACE runs with adversarial alignment, whose discriminator is site state carried across the resume
     (with K = 2 its consistency weights are uniform; the grace_server run above has K = 3);
-    LC-Fed's heads (site state) and the server's copies of the coarse heads are carried the same way."""
+    LC-Fed's heads (site state) and the server's copies of the coarse heads are carried the same way.
+    GRACE and LC-Fed run with ``-m extended``: their server state resumes bit for bit in process
+    (tests/unit/flare/controllers/test_resume.py), thread invariance and site state across a real resume are shown
+    here by FedSM and by IOP-FL and Ditto (test_iopfl.py, test_ditto.py)."""
     over = {"grace": {"align": "adv"}} if name == "grace" else {}
     straight_ws, straight = straight_run(name, **over)
     assert sorted(straight["test"]) == straight["sites"] and not straight["missing"]
@@ -266,12 +277,14 @@ def test_fedsm_inference_at_inside_and_outside_sites(trained, tmp_path, data, st
     assert list((infer_ws / "state" / "site-3" / "fedsm_infer" / "predictions").glob("*.nii.gz"))
 
 
+@pytest.mark.extended  # the message: tests/unit/flare/controllers/test_fedsm.py; a failing job's path: above
 def test_fedsm_inference_without_bundle_fails_clearly(tmp_path, data):
     with pytest.raises(RuntimeError, match="did not finish"):
         run("fedsm_infer", tmp_path, data, fedsm={"bundle": str(tmp_path / "none")})
     assert "holds no FedSM checkpoint" in (tmp_path / "sim" / "server" / "log.txt").read_text()
 
 
+@pytest.mark.extended  # the message: tests/unit/flare/sites/test_base.py; a site's refusal in FLARE: above
 def test_job_for_other_classes_than_the_data_is_refused(tmp_path, data):
     with pytest.raises(RuntimeError, match="did not finish"):
         run("fedavg", tmp_path, data, net={"out_channels": 2})

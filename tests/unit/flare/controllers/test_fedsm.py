@@ -341,3 +341,21 @@ def test_familiar_quantile_out_of_range_is_named():
     for bad in (0.0, 1.5):  # the method's own rule (its controller's check_config)
         with pytest.raises(ConfigError, match="fedsm.familiar_quantile"):
             method(load_job_config("fedsm_infer", overrides={"fedsm": {"familiar_quantile": bad}}))
+
+
+def test_inference_without_a_bundle_ends_the_job_naming_the_key_and_the_fix(tmp_path, monkeypatch):
+    """fedsm_infer on a folder that holds no FedSM checkpoint (the simulator run: -m extended in test_simulator.py)."""
+    monkeypatch.setenv("PFLSEG_STATE_DIR", str(tmp_path))
+    bundle = tmp_path / "server" / "fedsm"  # a job's state folder on this server, without a checkpoint
+    bundle.mkdir(parents=True)
+    cfg = load_job_config("fedsm_infer", overrides={**TINY, "fedsm": {"bundle": str(bundle)}})
+    infer = METHODS["fedsm_infer"].controller(config=cfg)
+    infer.sample_clients = lambda: ["site-1", "site-2"]
+    infer.get_run_dir = lambda: str(tmp_path / "run")
+    said: list[str] = []
+    infer.info = infer.warning = infer.error = lambda msg: None
+    infer.panic = said.append
+    sent = Stub(infer, lambda site, data: FLModel(params={}, metrics={"infer": {}})).sent
+    infer.run()
+    assert not sent and len(said) == 1
+    assert "fedsm.bundle=" in said[0] and "holds no FedSM checkpoint" in said[0] and "state/server/fedsm" in said[0]

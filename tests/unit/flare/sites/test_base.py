@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pflseg.data.errors import DataError
 from pflseg.flare.methods import METHODS
 from pflseg.flare.sites.base import Site, Step, trained_metrics
 from pflseg.flare.sites.fedsm import FedSMInferenceSite
@@ -88,3 +89,11 @@ def test_a_site_that_keeps_its_model_at_home_names_it_when_its_state_is_gone(met
     fed = federation(method, resume=True, **over)
     with pytest.raises(RuntimeError, match=f"no state before round 2 in .* \\(it keeps {keeps} there\\)"):
         fed.site().train(fed.message(2, {} if method == "local" else None))
+
+
+def test_a_job_for_other_classes_than_the_data_is_refused_naming_the_key(federation):
+    """The site's check of the job against its data (the simulator run: -m extended in test_simulator.py)."""
+    fed = federation("fedavg", net={"out_channels": 2})
+    with pytest.raises(DataError, match=r"site site-1: data .* classes .* net\.out_channels=2; use a job config made "
+                                        r"for this data"):
+        fed.site()
