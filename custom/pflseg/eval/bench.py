@@ -7,7 +7,10 @@ held-out site h, FedAvg, FedSM, GRACE and IOP-FL train on the other sites, then 
 GRACE's global models, the FedSM super model (``fedsm_infer``, gamma chosen on the inside sites'
 validation splits) and IOP-FL test-time routing with its comparators Average, Ensemble, Tent and the
 routing variants (``iopfl_route``). Every image of h is used (unlabelled where routing adapts; labels only
-score).
+score). Under the outside claims, the routing job's diagnostics at each judged outside site, per seed and routing
+variant (``routing_rows``, scoring only: nothing is chosen from them): what its unsupervised loss, its Dice against
+its start (Average, test-batch statistics), its routers and its predicted foreground did, and the best and worst
+expert there.
 
 With one held-out site (the default on synthetic data: its last site, built unlike each single site and
 like their mix) the inside federation is the other sites and the same runs serve both tables.
@@ -35,7 +38,7 @@ import statistics
 import threading
 from pathlib import Path
 
-from scipy.stats import t
+from scipy.stats import spearmanr, t
 from torch.utils.data import ConcatDataset
 
 from pflseg.config import load_job_config
@@ -51,6 +54,7 @@ from pflseg.flare.methods import BACKBONES, METHODS, OUTSIDE_REFERENCE, REFERENC
 from pflseg.flare.privacy import SALT_FILE
 from pflseg.flare.state import RoundStore, private_dir, unprefixed
 from pflseg.flare.wire import BEST, GLOBAL
+from pflseg.infer.routing import LABELS as ROUTING_LABELS
 from pflseg.markdown import diff_cell, markdown_table
 from pflseg.nets import build_net
 from pflseg.train import evaluate
@@ -123,6 +127,63 @@ def paired_difference(values: dict[str, list[float]], reference: dict[str, list[
         lo, hi = slo, shi
     out["verdict"] = "better" if lo > 0 else "worse" if hi < 0 else "tie"
     return out
+
+
+#: the post-training job of IOP-FL's test-time routing, whose diagnostics the bench reports (``routing_rows``)
+ROUTE_JOB = "iopfl_route"
+
+
+def _less(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+def _expert_extremes(experts: dict) -> dict:
+    """{"best_expert", "worst_expert"}: {"name", "dice"} of the experts with the highest and the lowest Dice with
+    test-batch statistics at the site (None each when the run scored no expert)."""
+    scored = [(n, d) for n, d in zip(experts.get("names") or [], experts.get("dice_bn") or []) if d is not None]
+    if not scored:
+        return {"best_expert": None, "worst_expert": None}
+    best, worst = max(scored, key=lambda e: e[1]), min(scored, key=lambda e: e[1])
+    return {"best_expert": {"name": best[0], "dice": best[1]}, "worst_expert": {"name": worst[0], "dice": worst[1]}}
+
+
+def route_rows(route: dict, seed: int, site: str) -> list[dict]:
+    """One row per routing variant of the routing job's results at one outside site (``results["route"][site]``):
+    its loss change (final - start), the Dice change of its final model (``routing``: ``routing_final``, else, in
+    older results, ``routing``) against its start ``average_bn``, its routers' mean movement, its predicted
+    foreground change (foreground / start - 1), and the site's best and worst expert (Dice, test-batch statistics).
+    A value the results lack is None."""
+    diag, coefs, methods = route.get("diagnostics") or {}, route.get("coefficients") or {}, route.get("methods") or {}
+    start = (methods.get("average_bn") or {}).get("dice")
+    experts = _expert_extremes(diag.get("experts") or {})
+    prior = (diag.get("settings") or {}).get("prior")
+    rows = []
+    for variant, a in (diag.get("adaptation") or {}).items():
+        final = "routing_final" if variant == "routing" and "routing_final" in methods else variant
+        dice = (methods.get(final) or {}).get("dice")
+        fg, fg0 = a.get("foreground"), a.get("start_foreground")
+        rows.append({"seed": seed, "site": site, "variant": variant, "steps": a.get("steps"),
+                     "loss_change": _less(a.get("final_loss"), a.get("start_loss")),
+                     "start_dice": start, "dice": dice, "dice_change": _less(dice, start),
+                     "movement": (coefs.get(variant) or {}).get("movement_mean"),
+                     "foreground_change": fg / fg0 - 1 if fg is not None and fg0 else None, "prior": prior,
+                     **experts})
+    return rows
+
+
+def routing_summary(rows: list[dict]) -> dict:
+    """Over the rows: Spearman's rank correlation of loss change and Dice change (over the rows with both; None
+    with fewer than 3 or a constant column) and how many rows saw the loss fall, the Dice rise, and both."""
+    pairs = [(r["loss_change"], r["dice_change"]) for r in rows
+             if r["loss_change"] is not None and r["dice_change"] is not None]
+    losses, dices = [p[0] for p in pairs], [p[1] for p in pairs]
+    rho = None
+    if len(pairs) >= 3 and len(set(losses)) > 1 and len(set(dices)) > 1:
+        rho = float(spearmanr(losses, dices)[0])
+    fell = [r["loss_change"] is not None and r["loss_change"] < 0 for r in rows]
+    rose = [r["dice_change"] is not None and r["dice_change"] > 0 for r in rows]
+    return {"rows": len(rows), "pairs": len(pairs), "spearman": rho, "loss_fell": sum(fell), "dice_rose": sum(rose),
+            "both": sum(f and r for f, r in zip(fell, rose))}
 
 
 #: one bench's runs side by side share its salts (``Bench.share_salt``)
@@ -462,6 +523,25 @@ class Bench:
                 continue
         return evaluate(net, ConcatDataset(parts), "cpu", res["config"]["train"]["eval_batch_size"])
 
+    def routing_rows(self) -> list[dict]:
+        """``route_rows`` of every finished routing run (``iopfl_route``) at each judged outside site, per seed in
+        seed order, then held-out site; [] when the bench routes nowhere. Scoring only: the judged site's labels
+        score these numbers, nothing is chosen from them."""
+        jobs = {col.job for m in self.methods for col in self.outside_cols.get(m, ())}
+        if not self.outside or ROUTE_JOB not in jobs:
+            return []
+        rows = []
+        for seed in self.seeds:
+            for h in self.holdout:
+                fold = self.fold(h)
+                if not self.finished(seed, fold, ROUTE_JOB):
+                    continue
+                sim_h = next((s for s, site in self.names(seed, fold, ROUTE_JOB).items() if site == h), None)
+                route = (self.results(seed, fold, ROUTE_JOB).get("route") or {}).get(sim_h)
+                if route:
+                    rows += route_rows(route, seed, h)
+        return rows
+
     def curves(self) -> dict:
         """Mean validation Dice per round (over sites, then seeds) of the model each inside column reports: the
         site's personalized model (``val_dice_person`` where a method tracks one beside the global model) for
@@ -534,6 +614,8 @@ class Bench:
             if mine:
                 claim["differences"] = {a: paired_difference(mine, outside[f"{a} [{claim['treatment']}]"])
                                         for a in claim["against"] if f"{a} [{claim['treatment']}]" in outside}
+        if rows := self.routing_rows():
+            report["routing_diagnostics"] = {"rows": rows, "summary": routing_summary(rows)}
         report |= {"curves": self.curves(), "steps_per_round": self.steps(), "timings": self.timings}
         self.write(report)
         return report
@@ -585,6 +667,38 @@ def _rows_table(table: dict, mean: dict, diffs: dict, labels: list[str], sites: 
                                   for label in labels])]
 
 
+def _num(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _expert_cell(expert: dict | None) -> str:
+    return "-" if not expert else f"{expert['name']} {expert['dice']:.4f}"
+
+
+def _routing_section(diag: dict) -> list[str]:
+    """Markdown lines of ``report["routing_diagnostics"]``: what it is, the summary line, one row per (seed, site,
+    routing variant)."""
+    s = diag["summary"]
+    rho = ("-" if s["spearman"] is None else f"{s['spearman']:+.3f}") + f" over {s['pairs']} rows with both"
+    rows = [[r["seed"], r["site"], ROUTING_LABELS.get(r["variant"], r["variant"]), _num(r["loss_change"], "+.5f"),
+             _num(r["dice_change"], "+.4f"), _num(r["movement"], ".4f"),
+             "-" if r["foreground_change"] is None else f"{100 * r['foreground_change']:+.1f} %",
+             ", ".join(f"{p:.4f}" for p in r.get("prior") or []) or "-",
+             _expert_cell(r["best_expert"]), _expert_cell(r["worst_expert"])] for r in diag["rows"]]
+    head = ["seed", "outside site", "routing variant", "Δ loss", "Δ Dice vs Average, test-batch BN", "router movement",
+            "Δ foreground", "size prior", "best expert", "worst expert"]
+    return ["", "IOP-FL routing at the judged outside sites, diagnostics (scoring only: the judged sites' labels score "
+                "these numbers, never choose anything): per seed, site and routing variant the change of the "
+                "unsupervised loss from start to end of adaptation, the Dice change of the variant's final model "
+                "(IOP-FL routing: the final routed model) against its start, the Average with test-batch statistics, "
+                "the routers' mean movement from their start (mean |coefficient - start|), the change of the predicted "
+                "foreground fraction, and the site's best and worst expert by Dice with test-batch statistics.",
+            "", f"Loss fell in {s['loss_fell']} of {s['rows']} rows, Dice rose in {s['dice_rose']}, both in "
+                f"{s['both']}; Spearman rank correlation of Δ loss and Δ Dice: {rho} (negative: a lower loss goes "
+                "with a higher Dice; - with fewer than 3 rows or a constant column).",
+            "", markdown_table(head, rows)]
+
+
 def to_markdown(report: dict) -> str:
     seeds = report["seeds"]
     n_pairs = "seeds x sites"
@@ -629,6 +743,8 @@ def to_markdown(report: dict) -> str:
                               f"{', '.join(claim['against'])} under {TREATMENTS[claim['treatment']]}: "
                               + "; ".join(f"vs {a} {diff_cell(d)}" for a, d in claim["differences"].items())
                               + f" -> the claim {verdict}."]
+    if report.get("routing_diagnostics"):
+        parts += _routing_section(report["routing_diagnostics"])
     if report.get("steps_per_round"):
         sites = report["inside_sites"]
         parts += ["", "Local optimizer steps per round (seed 0, mean over rounds)", "",

@@ -1,5 +1,5 @@
 from pflseg.data import make_synthetic
-from pflseg.eval.bench import Bench, _seed_means, paired_difference, to_markdown
+from pflseg.eval.bench import Bench, _seed_means, paired_difference, routing_summary, to_markdown
 from pflseg.flare.controllers.iopfl import route_table
 
 
@@ -284,3 +284,86 @@ def test_iopfl_s_static_comparators_offer_both_statistics_for_a_choice_without_t
     # site-6 judged: 0.65 vs 0.60 at sites 1-2 (site-6's own values never count)
     assert choose_by_loso(per_site, "site-6", ["site-1", "site-2"]) == "running"
     assert choose_by_loso(per_site, "site-1", ["site-1", "site-2"]) == "batch"  # from site-2 alone
+
+
+def fake_route(start: float, dices: dict, adaptation: dict, movement: dict, experts: list | None = None,
+               prior=None) -> dict:
+    """One outside site's routing results (``results["route"][site]``, ``pflseg.infer.routing.route_site``):
+    ``adaptation``: variant -> (start_loss, final_loss, start_foreground, foreground)."""
+    diag = {"adaptation": {v: {"lr": 0.01, "steps": 10, "start_loss": a[0], "final_loss": a[1],
+                               "start_foreground": a[2], "foreground": a[3]} for v, a in adaptation.items()},
+            "settings": {"prior": prior} if prior else {}}
+    if experts:
+        diag["experts"] = {"names": ["P_1", "P_2", "P_3", "w_g"], "dice": [0.1] * 4, "dice_bn": experts}
+    return {"methods": {"average_bn": {"dice": start}, **{m: {"dice": d} for m, d in dices.items()}},
+            "coefficients": {v: {"movement_mean": m} for v, m in movement.items()}, "diagnostics": diag}
+
+
+def test_routing_diagnostics_at_the_judged_outside_sites_rows_summary_and_section(tmp_path, monkeypatch):
+    """Two routed folds (site-3, site-4; site-2's routing run has not finished): one row per routing variant with
+    its loss change, Dice change against Average (test-batch BN; routing: its final model, or in older results its
+    per-sample one), router movement and foreground change; the best and worst expert per site; Spearman over the
+    rows, the counts; bench.json and bench.md carry them."""
+    import json
+
+    from pflseg.eval import bench as bench_module
+
+    root = make_synthetic(tmp_path / "root", n_sites=4, cases=3, size=16, depth=2)
+    bench = Bench(tmp_path / "ws", data=root, methods=["iopfl"], seeds=[0], holdout=["site-2", "site-3", "site-4"],
+                  rounds=1, progress=lambda m: None)
+    site3 = fake_route(0.50, {"routing": 0.55, "routing_final": 0.60, "routing_global": 0.45, "routing_layer": 0.48},
+                       {"routing": (1.0, 0.8, 0.10, 0.12), "routing_global": (1.0, 1.1, 0.10, 0.08),
+                        "routing_layer": (1.0, 0.95, 0.10, 0.10)},
+                       {"routing": 0.05, "routing_global": 0.01, "routing_layer": 0.02}, [0.4, 0.7, 0.3, 0.5], [0.1])
+    site4 = fake_route(0.40, {"routing": 0.58, "routing_global": 0.30, "routing_layer": 0.41},  # no routing_final
+                       {"routing": (2.0, 1.7, 0.2, 0.1), "routing_global": (2.0, 2.2, 0.2, 0.3),
+                        "routing_layer": (2.0, 1.99, 0.2, 0.2)},
+                       {"routing": 0.03, "routing_global": None})  # routing_layer: no movement_mean
+    runs = {"without-site-3": {"route": {"flare-3": site3}}, "without-site-4": {"route": {"flare-4": site4}}}
+    monkeypatch.setattr(bench, "finished", lambda seed, fold, job: job == "iopfl_route" and fold in runs)
+    monkeypatch.setattr(bench, "results", lambda seed, fold, job: runs[fold])
+    monkeypatch.setattr(bench, "names", lambda seed, fold, job: {"site-1": "site-1", f"flare-{fold[-1]}": fold[-6:]})
+    rows = bench.routing_rows()
+    assert [(r["site"], r["variant"]) for r in rows] == [(s, v) for s in ("site-3", "site-4")
+                                                         for v in ("routing", "routing_global", "routing_layer")]
+    changes = [(r["loss_change"], r["dice_change"]) for r in rows]
+    expected = [(-0.2, 0.1), (0.1, -0.05), (-0.05, -0.02), (-0.3, 0.18), (0.2, -0.1), (-0.01, 0.01)]
+    assert all(abs(a - x) < 1e-9 and abs(b - y) < 1e-9 for (a, b), (x, y) in zip(changes, expected))
+    assert [r["movement"] for r in rows] == [0.05, 0.01, 0.02, 0.03, None, None]
+    assert [round(r["foreground_change"], 6) for r in rows] == [0.2, -0.2, 0.0, -0.5, 0.5, 0.0]
+    assert rows[0]["best_expert"] == {"name": "P_2", "dice": 0.7} and rows[2]["worst_expert"] == {"name": "P_3",
+                                                                                                   "dice": 0.3}
+    assert rows[3]["best_expert"] is None and rows[0]["prior"] == [0.1] and rows[3]["prior"] is None
+    for name in ("inside_values", "inside_cases", "curves", "steps"):  # the other tables: empty here
+        monkeypatch.setattr(bench, name, lambda: {})
+    monkeypatch.setattr(bench, "outside_values", lambda: ({}, {}))
+    monkeypatch.setattr(bench_module, "plot", lambda report, out: None)
+    bench.ws.mkdir(parents=True)  # made by the runs otherwise
+    report = bench.tables()
+    summary = report["routing_diagnostics"]["summary"]
+    # ranks of the loss change 2 5 3 1 6 4 against the Dice change's 5 2 3 6 1 4: sum d^2 = 68
+    assert abs(summary["spearman"] - (1 - 6 * 68 / (6 * 35))) < 1e-9 and summary["spearman"] < 0
+    assert {k: summary[k] for k in ("rows", "pairs", "loss_fell", "dice_rose", "both")} == {
+        "rows": 6, "pairs": 6, "loss_fell": 4, "dice_rose": 3, "both": 3}
+    assert json.loads((bench.ws / "bench.json").read_text())["routing_diagnostics"]["summary"] == summary
+    md = (bench.ws / "bench.md").read_text()
+    assert "diagnostics (scoring only: the judged sites' labels score these numbers, never choose anything)" in md
+    assert "Loss fell in 4 of 6 rows, Dice rose in 3, both in 3; Spearman rank correlation of Δ loss and Δ Dice: " \
+           "-0.943 over 6 rows with both" in md
+    assert "| 0 | site-3 | IOP-FL routing | -0.20000 | +0.1000 | 0.0500 | +20.0 % | 0.1000 | P_2 0.7000 | " \
+           "P_3 0.3000 |" in md
+    assert "| 0 | site-4 | IOP-FL routing (per layer, ours) | -0.01000 | +0.0100 | - | +0.0 % | - | - | - |" in md
+    three = [r for r in rows if r["variant"] == "routing"] + rows[1:2]
+    assert routing_summary(three[:2])["spearman"] is None  # fewer than 3 rows
+    assert routing_summary([{**r, "loss_change": -0.1} for r in three])["spearman"] is None  # a constant column
+
+
+def test_no_routing_diagnostics_without_a_routing_run(tmp_path):
+    root = make_synthetic(tmp_path / "root", n_sites=4, cases=3, size=16, depth=2)
+    assert Bench(tmp_path / "ws", data=root, methods=["fedavg"], seeds=[0], holdout=["site-4"]).routing_rows() == []
+    # IOP-FL selected, but its routing run has not run yet
+    assert Bench(tmp_path / "ws", data=root, methods=["iopfl"], seeds=[0], holdout=["site-4"]).routing_rows() == []
+    report = {"seeds": [0], "rounds": 1, "inside_sites": ["site-1"], "holdout": ["site-2"], "timings": [],
+              "inside": {"FedAvg": {"site-1": {"mean": 0.5, "std": 0.0, "n": 1}}},
+              "outside": {"FedAvg [batch]": {"site-2": {"mean": 0.5, "std": 0.0, "n": 1}}}}
+    assert "scoring only" not in to_markdown(report) and "Spearman" not in to_markdown(report)
