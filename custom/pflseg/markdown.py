@@ -11,6 +11,11 @@ def markdown_table(head: list, rows: list[list]) -> str:
     return "\n".join(lines + ["| " + " | ".join(map(str, row)) + " |" for row in rows])
 
 
+def number_cell(value: float | None, digits: int = 2, signed: bool = False) -> str:
+    """A number with ``digits`` decimals (``signed``: with its sign, ``+0.012``), ``-`` for a missing value."""
+    return "-" if value is None else format(value, f"{'+' if signed else ''}.{digits}f")
+
+
 def diff_cell(d: dict | None) -> str:
     """A paired difference as ``+0.012 [-0.004, +0.028]`` (with 2+ seeds ``; over 3 seeds [-0.02, +0.04]``, the
     interval that respects the nesting), marked **+** / **−** when the verdict's interval excludes 0."""

@@ -36,6 +36,7 @@ import secrets
 import shutil
 import statistics
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from scipy.stats import spearmanr, t
@@ -54,8 +55,8 @@ from pflseg.flare.methods import BACKBONES, METHODS, OUTSIDE_REFERENCE, REFERENC
 from pflseg.flare.privacy import SALT_FILE
 from pflseg.flare.state import RoundStore, private_dir, unprefixed
 from pflseg.flare.wire import BEST, GLOBAL
-from pflseg.infer.routing import LABELS as ROUTING_LABELS
 from pflseg.markdown import diff_cell, markdown_table
+from pflseg.markdown import number_cell as _num
 from pflseg.nets import build_net
 from pflseg.train import evaluate
 
@@ -77,6 +78,11 @@ def outside_columns() -> dict[str, tuple[Column, ...]]:
 def default_methods() -> tuple[str, ...]:
     """The bench's default methods: every registered method that has inside columns under its own name."""
     return tuple(name for name, entry in METHODS.items() if name in entry.inside)
+
+
+def diagnostic_jobs() -> dict[str, Callable]:
+    """Post-training job -> its diagnostics at an outside site (``Method.diagnostics``), from the registry."""
+    return {name: entry.diagnostics for name, entry in METHODS.items() if entry.diagnostics}
 
 
 def after_jobs() -> dict[str, tuple]:
@@ -127,48 +133,6 @@ def paired_difference(values: dict[str, list[float]], reference: dict[str, list[
         lo, hi = slo, shi
     out["verdict"] = "better" if lo > 0 else "worse" if hi < 0 else "tie"
     return out
-
-
-#: the post-training job of IOP-FL's test-time routing, whose diagnostics the bench reports (``routing_rows``)
-ROUTE_JOB = "iopfl_route"
-
-
-def _less(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else a - b
-
-
-def _expert_extremes(experts: dict) -> dict:
-    """{"best_expert", "worst_expert"}: {"name", "dice"} of the experts with the highest and the lowest Dice with
-    test-batch statistics at the site (None each when the run scored no expert)."""
-    scored = [(n, d) for n, d in zip(experts.get("names") or [], experts.get("dice_bn") or []) if d is not None]
-    if not scored:
-        return {"best_expert": None, "worst_expert": None}
-    best, worst = max(scored, key=lambda e: e[1]), min(scored, key=lambda e: e[1])
-    return {"best_expert": {"name": best[0], "dice": best[1]}, "worst_expert": {"name": worst[0], "dice": worst[1]}}
-
-
-def route_rows(route: dict, seed: int, site: str) -> list[dict]:
-    """One row per routing variant of the routing job's results at one outside site (``results["route"][site]``):
-    its loss change (final - start), the Dice change of its final model (``routing``: ``routing_final``, else, in
-    older results, ``routing``) against its start ``average_bn``, its routers' mean movement, its predicted
-    foreground change (foreground / start - 1), and the site's best and worst expert (Dice, test-batch statistics).
-    A value the results lack is None."""
-    diag, coefs, methods = route.get("diagnostics") or {}, route.get("coefficients") or {}, route.get("methods") or {}
-    start = (methods.get("average_bn") or {}).get("dice")
-    experts = _expert_extremes(diag.get("experts") or {})
-    prior = (diag.get("settings") or {}).get("prior")
-    rows = []
-    for variant, a in (diag.get("adaptation") or {}).items():
-        final = "routing_final" if variant == "routing" and "routing_final" in methods else variant
-        dice = (methods.get(final) or {}).get("dice")
-        fg, fg0 = a.get("foreground"), a.get("start_foreground")
-        rows.append({"seed": seed, "site": site, "variant": variant, "steps": a.get("steps"),
-                     "loss_change": _less(a.get("final_loss"), a.get("start_loss")),
-                     "start_dice": start, "dice": dice, "dice_change": _less(dice, start),
-                     "movement": (coefs.get(variant) or {}).get("movement_mean"),
-                     "foreground_change": fg / fg0 - 1 if fg is not None and fg0 else None, "prior": prior,
-                     **experts})
-    return rows
 
 
 def routing_summary(rows: list[dict]) -> dict:
@@ -524,22 +488,21 @@ class Bench:
         return evaluate(net, ConcatDataset(parts), "cpu", res["config"]["train"]["eval_batch_size"])
 
     def routing_rows(self) -> list[dict]:
-        """``route_rows`` of every finished routing run (``iopfl_route``) at each judged outside site, per seed in
-        seed order, then held-out site; [] when the bench routes nowhere. Scoring only: the judged site's labels
-        score these numbers, nothing is chosen from them."""
+        """The diagnostics (``Method.diagnostics``) of every finished post-training run that declares them (IOP-FL's
+        routing) at each judged outside site, ``{"seed", "site", ...}`` per seed in seed order, then held-out site; []
+        when no selected method's outside columns come from such a job. Scoring only: the judged site's labels score
+        these numbers, nothing is chosen from them."""
         jobs = {col.job for m in self.methods for col in self.outside_cols.get(m, ())}
-        if not self.outside or ROUTE_JOB not in jobs:
-            return []
-        rows = []
-        for seed in self.seeds:
-            for h in self.holdout:
-                fold = self.fold(h)
-                if not self.finished(seed, fold, ROUTE_JOB):
-                    continue
-                sim_h = next((s for s, site in self.names(seed, fold, ROUTE_JOB).items() if site == h), None)
-                route = (self.results(seed, fold, ROUTE_JOB).get("route") or {}).get(sim_h)
-                if route:
-                    rows += route_rows(route, seed, h)
+        rows: list[dict] = []
+        for job, diagnose in diagnostic_jobs().items():
+            if not self.outside or job not in jobs:
+                continue
+            for seed in self.seeds:
+                for h in self.holdout:
+                    fold = self.fold(h)
+                    if self.finished(seed, fold, job):
+                        sim_h = next((s for s, site in self.names(seed, fold, job).items() if site == h), None)
+                        rows += [{"seed": seed, "site": h, **r} for r in diagnose(self.results(seed, fold, job), sim_h)]
         return rows
 
     def curves(self) -> dict:
@@ -667,10 +630,6 @@ def _rows_table(table: dict, mean: dict, diffs: dict, labels: list[str], sites: 
                                   for label in labels])]
 
 
-def _num(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def _expert_cell(expert: dict | None) -> str:
     return "-" if not expert else f"{expert['name']} {expert['dice']:.4f}"
 
@@ -680,8 +639,8 @@ def _routing_section(diag: dict) -> list[str]:
     routing variant)."""
     s = diag["summary"]
     rho = ("-" if s["spearman"] is None else f"{s['spearman']:+.3f}") + f" over {s['pairs']} rows with both"
-    rows = [[r["seed"], r["site"], ROUTING_LABELS.get(r["variant"], r["variant"]), _num(r["loss_change"], "+.5f"),
-             _num(r["dice_change"], "+.4f"), _num(r["movement"], ".4f"),
+    rows = [[r["seed"], r["site"], r.get("label", r["variant"]),
+             _num(r["loss_change"], 5, signed=True), _num(r["dice_change"], 4, signed=True), _num(r["movement"], 4),
              "-" if r["foreground_change"] is None else f"{100 * r['foreground_change']:+.1f} %",
              ", ".join(f"{p:.4f}" for p in r.get("prior") or []) or "-",
              _expert_cell(r["best_expert"]), _expert_cell(r["worst_expert"])] for r in diag["rows"]]

@@ -51,6 +51,7 @@ from pathlib import Path
 
 from pflseg.deploy.sampling import GIB, MemorySampler, named
 from pflseg.markdown import markdown_table
+from pflseg.markdown import number_cell as _num
 
 RESULTS_JSON, MARKDOWN = "gpu.json", "gpu.md"
 #: |test Dice on the GPU - on the CPU| allowed, mean over sites, for the same seed and config (amp off). The GPU
@@ -459,10 +460,6 @@ def run(workspace: str | Path, dry_run: bool = False, budget: float | None = Non
 
 
 # ---- the table (pure) -----------------------------------------------------------------------------------------------
-def _num(value, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 def _memory(run_: dict) -> str:
     """Memory per site: the largest site and every site, GiB; the whole GPU where no PID matched a site."""
     m = run_.get("memory") or {}

@@ -65,6 +65,7 @@ from typing import Any
 
 from pflseg.deploy.sampling import GIB, MemorySampler, best_seconds, named
 from pflseg.markdown import markdown_table
+from pflseg.markdown import number_cell as _num
 
 ENVS = ("sim", "poc")
 EXECUTOR_KINDS = ("executor", "client_api")
@@ -769,10 +770,6 @@ def _device() -> str:
     import torch
 
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-
-
-def _num(value, digits: int) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def _memory(row: dict) -> str:

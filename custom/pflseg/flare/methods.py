@@ -37,6 +37,7 @@ from pflseg.flare.controllers.iopfl import (
     IOPFLRoutingController,
     read_route,
     read_route_options,
+    route_rows,
     route_table,
 )
 from pflseg.flare.controllers.lcfed import FedRepController, LCFedController
@@ -107,6 +108,9 @@ class Method(NamedTuple):
     demo_settings: Mapping = {}
     #: a post-training job's own Markdown table of its results.json (``pflseg run``)
     table: Callable[[Mapping], str] | None = None
+    #: a post-training job's diagnostics at one outside site (results.json, FLARE site name -> rows), reported by
+    #: the bench under its outside claims; scoring only, nothing is chosen from them
+    diagnostics: Callable[[Mapping, str], list[dict]] | None = None
     #: the controller's arguments besides ``config`` (``server_controller`` gives them, so an exported job carries
     #: them): what it must know of the other methods, which it does not import (this registry imports it)
     controller_args: Callable[[], Mapping] | None = None
@@ -207,6 +211,7 @@ METHODS: dict[str, Method] = {
     "iopfl_route": Method(
         IOPFLRoutingController, IOPFLRoutingSite, ("iopfl",), after=("iopfl", "iopfl", {"targets": []}),
         table=route_table,
+        diagnostics=route_rows,
         demo_outside=(_routed("Average", "average", "running"), _routed("Ensemble", "ensemble", "running"),
                       _routed("Average", "average_bn", "batch"), _routed("Ensemble", "ensemble_bn", "batch"),
                       _routed("Tent (online)", "tent", "batch"),

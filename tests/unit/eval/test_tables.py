@@ -130,3 +130,11 @@ def test_a_run_s_table_shows_every_model_its_method_names_and_leaves_out_what_no
         "| mean | 0.4000 | 0.7000 |"]
     del res["test"]["a"]["global_adabn"]
     assert dice_table({"fedavg": res}).splitlines()[0] == "| site | FedAvg |"
+
+
+def test_a_number_cell_has_its_decimals_its_sign_when_asked_and_a_dash_when_missing():
+    from pflseg.markdown import number_cell
+
+    assert number_cell(0.12345) == "0.12" and number_cell(2.5, 0) == "2"
+    assert number_cell(0.0123, 3, signed=True) == "+0.012" and number_cell(-0.5, 1, signed=True) == "-0.5"
+    assert number_cell(None) == number_cell(None, 4, signed=True) == "-"

@@ -157,6 +157,45 @@ def read_route_options(**treatments: str):
     return read
 
 
+
+def _less(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+def _expert_extremes(experts: Mapping) -> dict:
+    """{"best_expert", "worst_expert"}: {"name", "dice"} of the experts with the highest and the lowest Dice with
+    test-batch statistics at the site (None each when the run scored no expert)."""
+    scored = [(n, d) for n, d in zip(experts.get("names") or [], experts.get("dice_bn") or []) if d is not None]
+    if not scored:
+        return {"best_expert": None, "worst_expert": None}
+    best, worst = max(scored, key=lambda e: e[1]), min(scored, key=lambda e: e[1])
+    return {"best_expert": {"name": best[0], "dice": best[1]}, "worst_expert": {"name": worst[0], "dice": worst[1]}}
+
+
+def route_rows(results: Mapping, site: str) -> list[dict]:
+    """The routing job's diagnostics at one outside site (``Method.diagnostics``; scoring only), one row per routing
+    variant: its loss change (final - start), the Dice change of its final model (``routing``: ``routing_final``,
+    else, in older results, ``routing``) against its start ``average_bn``, its routers' mean movement, its predicted
+    foreground change (foreground / start - 1), the size prior, and the site's best and worst expert (Dice,
+    test-batch statistics). A value the results lack is None; a site the job did not route, no row."""
+    route = (results.get("route") or {}).get(site) or {}
+    diag, coefs, methods = route.get("diagnostics") or {}, route.get("coefficients") or {}, route.get("methods") or {}
+    start = (methods.get("average_bn") or {}).get("dice")
+    experts = _expert_extremes(diag.get("experts") or {})
+    prior = (diag.get("settings") or {}).get("prior")
+    rows = []
+    for variant, a in (diag.get("adaptation") or {}).items():
+        final = "routing_final" if variant == "routing" and "routing_final" in methods else variant
+        dice = (methods.get(final) or {}).get("dice")
+        fg, fg0 = a.get("foreground"), a.get("start_foreground")
+        rows.append({"variant": variant, "label": ROUTE_LABELS.get(variant, variant), "steps": a.get("steps"),
+                     "loss_change": _less(a.get("final_loss"), a.get("start_loss")),
+                     "start_dice": start, "dice": dice, "dice_change": _less(dice, start),
+                     "movement": (coefs.get(variant) or {}).get("movement_mean"),
+                     "foreground_change": fg / fg0 - 1 if fg is not None and fg0 else None, "prior": prior,
+                     **experts})
+    return rows
+
 #: the routing job's comparators (``pflseg.infer.routing.NORM``) in the table's words; the routing variants are
 #: ``pflseg.infer.routing.LABELS``. key -> (label, what it is)
 ROUTE_COMPARATORS = {
