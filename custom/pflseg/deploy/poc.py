@@ -1,7 +1,8 @@
 """The researchers' quick path: FLARE POC on this machine, loopback only, one job, stop.
 
 ``nvflare poc prepare`` (with the workspace's own HOME and NVFLARE_POC_WORKSPACE), then its kits are
-bound to ``localhost`` on a free port and get pflseg's classes on their allow lists; server and sites start
+bound to ``localhost`` on a free port, get pflseg's classes on their allow lists and keep their internal
+listeners off that port (``pflseg.deploy.provision.internal_ports``); server and sites start
 as separate processes like ``pflseg deploy local``; the job goes in through the FLARE API. Its provisioning state
 (``cert.json``: every private key) is made private (``pflseg.deploy.provision.protect_ca_state``). Every POC site is
 the researcher's own, so each site's policy allows a job of two sites (``two_sites``; a POC's default is 2).
@@ -15,7 +16,7 @@ import subprocess
 from pathlib import Path
 
 from pflseg.deploy.local import LocalFederation
-from pflseg.deploy.provision import free_port, loopback_env, protect_ca_state
+from pflseg.deploy.provision import free_port, internal_ports, loopback_env, protect_ca_state
 from pflseg.flare.allowlist import add_to_resources
 from pflseg.flare.state import private_dir
 
@@ -66,6 +67,9 @@ class PocFederation(LocalFederation):
             for res in ("resources.json", "resources.json.default"):
                 if (self.kit(name) / "local" / res).is_file():
                     add_to_resources(self.kit(name) / "local" / res)
+            comm = self.kit(name) / "local" / "comm_config.json"  # internal listeners off the server's port
+            if not comm.exists():
+                comm.write_text(json.dumps(internal_ports(port), indent=2) + "\n")
 
 
 def _edit(path: Path, change) -> None:

@@ -15,6 +15,10 @@ startup kit what a package-mode deployment needs:
   commands for a site's own organisation only, job submission for ``project_admin`` and ``lead``;
 - every site's ``local/resources.json.default`` turns FLARE's log streaming off (``allow_log_streaming``,
   true in FLARE 2.9's kits): a site's logs stay at the site;
+- every kit without a ``local/comm_config.json`` of its own gets one that keeps the process's internal listener off
+  the server's ports (``internal_ports``): FLARE 2.9 picks that listener's port at random in 1025-65535 and checks
+  it free before the server's external listener has bound, so one server start in about 64,000 took its own port
+  and never listened (seen once in this project's test suite: the admin connection refused for 180 s);
 - the provisioning state folder (``<workspace>/<project>/state``) is made ``0700`` and its ``cert.json``
   ``0600``: FLARE's CertBuilder keeps the root CA's and EVERY participant's private key in that file and writes it
   with the umask's mode (0644 as a rule). The kits' own ``*.key`` files FLARE writes ``0600`` itself.
@@ -33,6 +37,7 @@ import subprocess
 from pathlib import Path
 
 import yaml
+from nvflare.lighter.constants import CtxKey
 from nvflare.lighter.spec import Builder
 
 from pflseg.config import resource_dir
@@ -133,12 +138,24 @@ class PflsegBuilder(Builder):
             else:
                 _no_log_streaming(resources)
             (local / "authorization.json.default").write_text(policy + "\n")
+            comm = local / "comm_config.json"  # FLARE's StaticFileBuilder writes one for a `listening_host`
+            if not comm.exists():
+                ports = internal_ports(ctx.get(CtxKey.ADMIN_PORT), ctx.get(CtxKey.FED_LEARN_PORT))
+                comm.write_text(json.dumps(ports, indent=2) + "\n")
         if self.heart_beat_timeout is not None:
             fed_server = Path(ctx.get_kit_dir(server)) / "fed_server.json"
             conf = json.loads(fed_server.read_text())
             for entry in conf["servers"]:
                 entry["heart_beat_timeout"] = int(self.heart_beat_timeout)
             fed_server.write_text(json.dumps(conf, indent=2))
+
+
+def internal_ports(*taken: int | None) -> dict:
+    """A ``comm_config.json`` whose internal listener (FLARE's default: tcp on localhost, a random free port) may
+    take any port but ``taken``."""
+    edges = [1024, *sorted({int(p) for p in taken if p}), 65536]
+    ranges = [f"{lo + 1}-{hi - 1}" for lo, hi in zip(edges, edges[1:]) if hi - lo > 1]
+    return {"internal": {"scheme": "tcp", "resources": {"host": "localhost", "ports": ranges}}}
 
 
 #: FLARE's provisioning state: the root CA's and every participant's private key (``nvflare.lighter.impl.cert``)

@@ -29,3 +29,21 @@ def test_provisioning_keeps_every_private_key_private(tmp_path):
     assert mode(state) == 0o700 and mode(state / "cert.json") == 0o600
     keys = sorted((tmp_path / "prov").rglob("*.key"))
     assert keys and {mode(k) for k in keys} == {0o600}
+
+
+def test_no_kits_internal_listener_can_take_the_servers_port(tmp_path):
+    """Before: FLARE picked the server's internal listener port at random in 1025-65535 before its external
+    listener bound; once in the suite it took the server's own port and the server never listened. Every kit now
+    has a comm_config.json whose port ranges, as FLARE's own parser reads them, hold every port but the server's."""
+    from nvflare.fuel.f3.drivers.net_utils import parse_port_list
+
+    from pflseg.deploy.provision import provision_loopback
+
+    kits = provision_loopback(tmp_path, port=38103)
+    configs = sorted(kits.glob("*/local/comm_config.json"))
+    assert {c.parent.parent.name for c in configs} == {"localhost", "site-1", "site-2", "site-3"}
+    for config in configs:
+        internal = json.loads(config.read_text())["internal"]
+        assert internal["scheme"] == "tcp" and internal["resources"]["host"] == "localhost"
+        ports = [p for r in parse_port_list(internal["resources"]["ports"]) for p in r]
+        assert 38103 not in ports and len(ports) == len(set(ports)) == 65535 - 1025
