@@ -153,17 +153,27 @@ def bounded_weights(weights: Sequence[float], ratio: float) -> list[float]:
     return out
 
 
+#: elements per float64 block of ``squared_norm`` (2 MiB: the block stays in cache)
+NORM_BLOCK = 1 << 18
+
+
 def squared_norm(value: torch.Tensor, base: torch.Tensor | None = None) -> float:
     """sum((value - base)^2) in float64; without ``base``, sum(value^2).
 
-    The same operations, in the same order, as ``((value.double() - base.double()) ** 2).sum()``, into one float64
-    temporary instead of four (the server's norm checks of a round cost 5x a plain float32 average of the same
-    updates before; docs/speed.md).
+    Block by block (``NORM_BLOCK`` elements): each block's difference taken and squared in float64 and summed by
+    torch, the blocks' sums added in float64, so the value is the whole-tensor float64 sum up to its rounding order
+    (identical for a tensor of one block). One float64 temporary for the whole tensor cost 4x as much: a fresh
+    allocation per tensor, out of cache (docs/speed.md).
     """
-    u = value.detach().to("cpu", torch.float64, copy=True)
-    if base is not None:
-        u.sub_(base.detach().to("cpu"))  # a float32 base is promoted exactly, element by element
-    return float(u.mul_(u).sum())
+    v = value.detach().reshape(-1).to("cpu")
+    b = None if base is None else base.detach().reshape(-1).to("cpu")
+    total = 0.0
+    for i in range(0, v.numel(), NORM_BLOCK):
+        u = v[i:i + NORM_BLOCK].to(torch.float64, copy=True)
+        if b is not None:
+            u.sub_(b[i:i + NORM_BLOCK])  # a float32 base is promoted exactly, element by element
+        total += float(u.mul_(u).sum())
+    return total
 
 
 def _float_keys(base: State, state: State, keys: Sequence[str] | None) -> list[str]:
@@ -199,8 +209,8 @@ def clip_factors(norms: Sequence[float], ratio: float) -> tuple[list[float], lis
 NORM_STATISTICS = ("running_mean", "running_var")
 
 
-def clip_updates(bases: Sequence[State], states: Sequence[State], ratio: float,
-                 keys: Sequence[str] | None = None) -> tuple[list[State], list[float], list[float]]:
+def clip_updates(bases: Sequence[State], states: Sequence[State], ratio: float, keys: Sequence[str] | None = None,
+                 known: Sequence[Mapping[str, float]] | None = None) -> tuple[list[State], list[float], list[float]]:
     """Each state's update clipped at ``ratio`` times the median of the OTHER states' update norms.
 
     The update of state k is ``states[k] - bases[k]`` over ``keys`` (default: every key) that are floating and
@@ -217,6 +227,8 @@ def clip_updates(bases: Sequence[State], states: Sequence[State], ratio: float,
         states: K states (what the sites sent back).
         ratio: the multiple c (0 = no clipping; fewer than 2 states are never clipped).
         keys: the keys judged and clipped together.
+        known: per state, update norms by key that the caller has already (``update_norms``' ``per_key``, taken
+            against the same bases); the keys found there are not computed again.
 
     Returns:
         ``(states, factors, ratios)``: a state within the bound is the SAME object (so an honest round is
@@ -232,7 +244,9 @@ def clip_updates(bases: Sequence[State], states: Sequence[State], ratio: float,
     if len(states) < 2:
         return out, factors, ratios
     judged = [_float_keys(b, s, keys) for b, s in zip(bases, states)]
-    norms = [math.sqrt(sum(squared_norm(s[k], b[k]) for k in ks)) for b, s, ks in zip(bases, states, judged)]
+    known = known or [{}] * len(states)
+    norms = [math.sqrt(sum(kn[k] ** 2 if k in kn else squared_norm(s[k], b[k]) for k in ks))
+             for b, s, ks, kn in zip(bases, states, judged, known)]
     factors, ratios = clip_factors(norms, ratio)
     for i, (base, state, ks, f) in enumerate(zip(bases, states, judged, factors)):
         if f >= 1.0:

@@ -450,11 +450,12 @@ def plain_weighted_average(states: Sequence[dict], weights: Sequence[float]) -> 
 def bound_checks(sent: dict, states: Sequence[dict]) -> None:
     """What the server's guard does to a round's answers before any method weighs them (``pflseg.flare.guard.screen``
     with the default ``robust`` settings): the update norms (whole and per tensor, for the norm bound) once, then the
-    clip at 3 x the other sites' median."""
+    clip at 3 x the other sites' median, from those norms."""
     from pflseg.algorithms.robust import clip_updates, update_norms
 
-    update_norms({str(i): st for i, st in enumerate(states)}, {str(i): sent for i in range(len(states))})
-    clip_updates(sent, states, 3.0, list(sent))
+    sites = [str(i) for i in range(len(states))]
+    _, per_key = update_norms(dict(zip(sites, states)), dict.fromkeys(sites, sent))
+    clip_updates(sent, states, 3.0, list(sent), [{k: n[s] for k, n in per_key.items()} for s in sites])
 
 
 def aggregation_times(jobs: Sequence[str], n_sites: int = 6, repeats: int = 3, net: dict | None = None) -> list[dict]:

@@ -62,6 +62,7 @@ def screen(ctrl, task: str, payloads: dict, usable: dict, reference: dict | None
     """Leave out of ``usable`` (in place, ``send_each``'s answers with their ``site_metrics``) the sites whose update
     is beyond the norm bound; clip the others' updates (``clip``); cap their n_k (``cap_n_k``)."""
     bounds = ctrl.cfg["robust"]
+    norms: tuple[dict, dict] = ({}, {})
     if reference and len(usable) >= 2 and bounds["norm_ratio"] > 0:
         answers = {s: res.params or {} for s, res in usable.items()}
         sent = {s: (payloads[s].params or {}) for s in usable}
@@ -75,24 +76,27 @@ def screen(ctrl, task: str, payloads: dict, usable: dict, reference: dict | None
             del usable[site]
             usable.site_metrics.pop(site, None)
     if reference and len(usable) >= 2:
-        clip(ctrl, task, payloads, usable, bounds["clip"])
+        clip(ctrl, task, payloads, usable, bounds["clip"], norms[1])
     cap_n_k(ctrl, task, usable, bounds["n_k_ratio"])
 
 
-def clip(ctrl, task: str, payloads: dict, usable: dict, ratio: float) -> None:
+def clip(ctrl, task: str, payloads: dict, usable: dict, ratio: float, per_key: dict | None = None) -> None:
     """Clip each site's update at ``ratio`` (``robust.clip``) x the median of the other sites' update norms, in place,
     before any method weighs it (``pflseg.algorithms.robust.clip_updates``), part by part: the keys the task sent
     under one prefix (``global``, FedSM's ``person`` and ``select``, ...) together; not optimizer moments
     (``NOT_PER_TENSOR``: ``check_moments`` and ``bound_moments`` bound them) and not what the task did not send
     (statistics, gradients: no update to clip). Every site's largest ratio to the others' median goes into its
-    round metrics (``update_ratio``), a clipped site's also as ``update_clipped``, with a warning."""
+    round metrics (``update_ratio``), a clipped site's also as ``update_clipped``, with a warning. ``per_key``: the
+    update norms by key and site that ``update_norms`` took of the same answers (not taken again)."""
     sites = list(usable)
+    per_key = per_key or {}
+    known = [{k: by_site[s] for k, by_site in per_key.items() if s in by_site} for s in sites]
     sent = [payloads[s].params or {} for s in sites]
     groups = sorted({k.split(".", 1)[0] for params in sent for k in params if not k.startswith(NOT_PER_TENSOR)})
     worst = dict.fromkeys(sites, 0.0)
     for group in groups:
         keys = sorted({k for params in sent for k in params if k.startswith(group + ".")})
-        states, factors, ratios = clip_updates(sent, [usable[s].params or {} for s in sites], ratio, keys)
+        states, factors, ratios = clip_updates(sent, [usable[s].params or {} for s in sites], ratio, keys, known)
         for site, state, factor, r in zip(sites, states, factors, ratios):
             worst[site] = max(worst[site], r)
             if factor < 1.0:

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from pflseg.algorithms import robust
 from pflseg.algorithms.fedavg import weighted_average
 from pflseg.algorithms.fedsm import average_moments, check_statistics, class_statistics
 from pflseg.algorithms.grace import grace_step
@@ -174,6 +175,34 @@ def test_update_norms_are_against_what_was_sent():
     whole, per_key = update_norms(answers, sent)
     assert whole == {"a": 5.0, "b": 2.0} and per_key["w"] == {"a": 5.0, "b": 0.0} and per_key["x"]["b"] == 2.0
 
+
+
+def test_squared_norm_block_by_block_is_the_whole_tensors_float64_sum():
+    """squared_norm sums NORM_BLOCK elements at a time; over 3.5 blocks it is the one-temporary float64 sum up to
+    rounding order, a 1e30 update stays finite, and a tensor of one block is that sum exactly."""
+    torch.manual_seed(0)
+    base = torch.randn(int(3.5 * robust.NORM_BLOCK))
+    value = base + 1e-3 * torch.randn_like(base)
+    whole = float(((value.double() - base.double()) ** 2).sum())
+    assert math.isclose(robust.squared_norm(value, base), whole, rel_tol=1e-12)
+    assert robust.squared_norm(value[:1000], base[:1000]) == float(((value[:1000].double() - base[:1000]) ** 2).sum())
+    assert math.isclose(robust.squared_norm(torch.full((3,), 1e30)), 3e60, rel_tol=1e-6)  # float32's 1e30
+    assert robust.squared_norm(torch.tensor(2.0), torch.tensor(0.5)) == 2.25  # a 0-d tensor
+
+
+def test_clip_updates_from_known_norms_is_the_clip_from_the_updates():
+    """The guard passes update_norms' per-key norms to the clip instead of taking them again: the same clip."""
+    torch.manual_seed(1)
+    base = {"w": torch.zeros(4), "v": torch.zeros(2, 3)}
+    states = [{k: v + s * torch.randn_like(v) for k, v in base.items()} for s in (1.0, 1.2, 30.0)]
+    sites = ["a", "b", "c"]
+    _, per_key = update_norms(dict(zip(sites, states)), dict.fromkeys(sites, base))
+    known = [{k: n[s] for k, n in per_key.items()} for s in sites]
+    plain, plain_f, plain_r = clip_updates(base, states, 3.0)
+    fast, fast_f, fast_r = clip_updates(base, states, 3.0, None, known)
+    assert plain_f[2] < 1.0 and fast_f == pytest.approx(plain_f, rel=1e-12)
+    assert fast_r == pytest.approx(plain_r, rel=1e-12)
+    assert all(torch.allclose(fast[2][k], plain[2][k], rtol=1e-6) for k in base) and fast[0] is states[0]
 
 def test_a_1e30_update_is_an_outlier_and_honest_ones_are_not():
     sent = {k: {"w": torch.zeros(3)} for k in "abc"}
