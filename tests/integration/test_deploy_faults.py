@@ -33,7 +33,7 @@ def test_server_killed_mid_round_then_resumed_gives_the_uninterrupted_models(fed
     """FedAvg, 2 rounds, run once whole; run again as a fresh job of the same name (the first run's state is
     moved aside, not wiped) whose server is SIGKILLed (with its job process) in round 2, started again, and
     the job submitted again with resume: the same final model, tensor for tensor."""
-    server = fed._server()
+    server = fed.server()
     state = fed.kit(server) / "pflseg_state"
     whole = submit(job(tmp_path, "fedavg"), fed.admin_kit(), out=tmp_path / "dl1", progress=say, poll=0.5)
     check_per_site(whole, SITES)
@@ -70,7 +70,7 @@ def test_site_dead_for_good_under_the_default_timeout_job_finishes_without_it(fe
     disconnected after dead_client_grace_period (5 s; FLARE's 60) and ends a task left waiting only on it once
     the task is dead_client_check_lead_time old (5 s; FLARE's 30: the final validate and test tasks wait it
     each)."""
-    conf = json.loads((fed.kit(fed._server()) / "startup" / "fed_server.json").read_text())
+    conf = json.loads((fed.kit(fed.server()) / "startup" / "fed_server.json").read_text())
     assert conf["servers"][0]["heart_beat_timeout"] == HEART_BEAT_TIMEOUT
     t = {}
 

@@ -45,7 +45,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from pflseg.algorithms.fedavg import normalized_weights, weighted_average
+from pflseg.algorithms.fedavg import BLOCK, normalized_weights, weighted_average
 
 State = Mapping[str, torch.Tensor]
 
@@ -153,14 +153,10 @@ def bounded_weights(weights: Sequence[float], ratio: float) -> list[float]:
     return out
 
 
-#: elements per float64 block of ``squared_norm`` (2 MiB: the block stays in cache)
-NORM_BLOCK = 1 << 18
-
-
 def squared_norm(value: torch.Tensor, base: torch.Tensor | None = None) -> float:
     """sum((value - base)^2) in float64; without ``base``, sum(value^2).
 
-    Block by block (``NORM_BLOCK`` elements): each block's difference taken and squared in float64 and summed by
+    Block by block (``BLOCK`` elements): each block's difference taken and squared in float64 and summed by
     torch, the blocks' sums added in float64, so the value is the whole-tensor float64 sum up to its rounding order
     (identical for a tensor of one block). One float64 temporary for the whole tensor cost 4x as much: a fresh
     allocation per tensor, out of cache (docs/speed.md).
@@ -168,10 +164,10 @@ def squared_norm(value: torch.Tensor, base: torch.Tensor | None = None) -> float
     v = value.detach().reshape(-1).to("cpu")
     b = None if base is None else base.detach().reshape(-1).to("cpu")
     total = 0.0
-    for i in range(0, v.numel(), NORM_BLOCK):
-        u = v[i:i + NORM_BLOCK].to(torch.float64, copy=True)
+    for i in range(0, v.numel(), BLOCK):
+        u = v[i:i + BLOCK].to(torch.float64, copy=True)
         if b is not None:
-            u.sub_(b[i:i + NORM_BLOCK])  # a float32 base is promoted exactly, element by element
+            u.sub_(b[i:i + BLOCK])  # a float32 base is promoted exactly, element by element
         total += float(u.mul_(u).sum())
     return total
 

@@ -106,11 +106,12 @@ class LocalFederation:
         self._record()
         return proc.pid
 
-    def _server(self) -> str:
+    def server(self) -> str:
+        """The server participant's name (its kit folder)."""
         return next(p["name"] for p in self._project()["participants"] if p["type"] == "server")
 
     def start(self) -> None:
-        self.start_participant(self._server())
+        self.start_participant(self.server())
         for site in self.sites():
             self.start_participant(site)
         self.progress(f"started server and {len(self.sites())} site(s) (pids {self.pids})")

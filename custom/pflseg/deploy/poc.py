@@ -2,7 +2,8 @@
 
 ``nvflare poc prepare`` (with the workspace's own HOME and NVFLARE_POC_WORKSPACE), then its kits are
 bound to ``localhost`` on a free port, get pflseg's classes on their allow lists and keep their internal
-listeners off that port (``pflseg.deploy.provision.internal_ports``); server and sites start
+listeners off that port (``pflseg.deploy.provision.internal_ports``), and the server gets the kits' fixed mmap
+threshold (``server_malloc``); server and sites start
 as separate processes like ``pflseg deploy local``; the job goes in through the FLARE API. Its provisioning state
 (``cert.json``: every private key) is made private (``pflseg.deploy.provision.protect_ca_state``). Every POC site is
 the researcher's own, so each site's policy allows a job of two sites (``two_sites``; a POC's default is 2).
@@ -16,7 +17,7 @@ import subprocess
 from pathlib import Path
 
 from pflseg.deploy.local import LocalFederation
-from pflseg.deploy.provision import free_port, internal_ports, loopback_env, protect_ca_state
+from pflseg.deploy.provision import free_port, internal_ports, loopback_env, protect_ca_state, server_malloc
 from pflseg.flare.allowlist import add_to_resources
 from pflseg.flare.state import private_dir
 
@@ -53,7 +54,8 @@ class PocFederation(LocalFederation):
             protect_ca_state(cert.parent)
         shutil.copy(self.workspace / "poc" / "project.yml", self.workspace / "project.yml")
         port = free_port()
-        server = self._server()
+        server = self.server()
+        server_malloc(self.kit(server) / "startup" / "sub_start.sh")
         _edit(self.kit(server) / "startup" / "fed_server.json",
               lambda c: [s.update(admin_port=port, service={**s["service"], "target": f"localhost:{port}"})
                          for s in c["servers"]])

@@ -1,8 +1,11 @@
 """`pflseg report soak`: does any process's memory grow round after round over a long run?
 
-Each job (default FedAvg and FedSM, 3 sites, 100 rounds at 32 px) runs once in FLARE's simulator while a thread
-samples every ``period`` s the proportional set size (PSS) of the simulator (the server) and of each site process
-(``pflseg.deploy.sampling``), and the round the server has finished (its newest ``round_NNNN.pt``). Per process, the
+Each job (default FedAvg and FedSM, 3 sites, 100 rounds at 32 px) runs once in FLARE's simulator (``env`` sim) or in
+a loopback POC federation (``env`` poc: ``pflseg.deploy.poc``, started for the job and stopped after it) while a
+thread samples every ``period`` s the proportional set size (PSS) of each process (``pflseg.deploy.sampling``;
+simulator: the simulator, which runs the server, and each site process; POC: each participant's parent process and,
+as ``<participant> job``, the job processes it starts), and the round the server has finished (its newest
+``round_NNNN.pt``). Per process, the
 samples of each round are reduced to their median, and the growth is the least-squares slope of those medians over
 the rounds after ``warmup`` (MiB per round): allocator pools, caches and the first rounds' imports settle before it.
 A process passes when its growth is at most ``BOUND_MIB`` per round (over 100 rounds: at most 0.2 GiB).
@@ -25,6 +28,8 @@ MIB = 2**20
 BOUND_MIB = 2.0
 #: ``soak``'s defaults; its jobs: ``default_jobs``
 DEFAULTS = {"sites": 3, "rounds": 100, "size": 32, "warmup": 5, "period": 1.0}
+#: where the soaked jobs run: FLARE's simulator, or a loopback POC federation
+ENVS = ("sim", "poc")
 
 
 class RoundTrace(MemorySampler):
@@ -80,31 +85,76 @@ def default_jobs() -> tuple[str, ...]:
     return (REFERENCE_JOB, *report_jobs("soak"))
 
 
+def participants(fed) -> Callable[[], list]:
+    """A ``MemorySampler`` finder over a running federation (``pflseg.deploy.local.LocalFederation``): each
+    participant's process labelled by its name, every process it started (FLARE's job processes) ``<name> job``."""
+    def find() -> list:
+        import psutil
+
+        found = []
+        for name, pid in fed.pids.items():
+            try:
+                parent = psutil.Process(pid)
+                found += [(parent, name), *((c, f"{name} job") for c in parent.children(recursive=True))]
+            except psutil.Error:  # gone: nothing to sample
+                continue
+        return found
+    return find
+
+
 def soak(workspace: str | Path, methods: Sequence[str] | None = None, sites: int = DEFAULTS["sites"],
          rounds: int = DEFAULTS["rounds"], size: int = DEFAULTS["size"], warmup: int = DEFAULTS["warmup"],
-         period: float = DEFAULTS["period"], progress=print) -> dict:
-    """Run each of ``methods`` (default ``default_jobs``) once in the simulator with its memory traced; write
-    ``<workspace>/soak.json``."""
-    from pflseg.deploy.simulator import run_simulator
-    from pflseg.deploy.workspace import server_state
+         period: float = DEFAULTS["period"], env: str = "sim", progress=print) -> dict:
+    """Run each of ``methods`` (default ``default_jobs``) once in ``env`` (``ENVS``) with its memory traced; write
+    ``<workspace>/soak.json`` (``soak_poc.json`` for a POC)."""
     from pflseg.eval.speed import data_root, job_overrides
     from pflseg.flare.jobs import export_job
 
+    if env not in ENVS:
+        raise ValueError(f"soak env {env!r}: expected one of {', '.join(ENVS)}")
     ws = Path(workspace).resolve()
     root = data_root(ws, sites, size)
     result: dict = {"sites": sites, "rounds": rounds, "size": size, "warmup": warmup, "bound_mib": BOUND_MIB,
-                    "period": period, "jobs": {}}
+                    "period": period, "env": env, "jobs": {}}
     for job in default_jobs() if methods is None else methods:
-        run = ws / "sim" / job
+        run = ws / env / job
         job_dir = export_job(job, run / "job", overrides=job_overrides(sites, rounds, size))
-        progress(f"soak: {job}, {sites} sites, {rounds} rounds at {size} px ...")
-        t0 = time.monotonic()
-        with RoundTrace(named(run / "sim"), rounds_done(server_state(run, job)), period) as trace:
-            run_simulator(job_dir, run, n_sites=sites, data=root, progress=lambda m: None)
-        result["jobs"][job] = {"seconds": time.monotonic() - t0, "samples": len(trace.trace),
-                               "processes": growth(trace.trace, warmup)}
-    (ws / "soak.json").write_text(json.dumps(result, indent=1))
+        progress(f"soak: {job} in {'the simulator' if env == 'sim' else 'a loopback POC'}, {sites} sites, {rounds} "
+                 f"rounds at {size} px ...")
+        seconds, trace = (_sim if env == "sim" else _poc)(run, job, job_dir, sites, root, period)
+        result["jobs"][job] = {"seconds": seconds, "samples": len(trace), "processes": growth(trace, warmup)}
+    (ws / ("soak.json" if env == "sim" else f"soak_{env}.json")).write_text(json.dumps(result, indent=1))
     return result
+
+
+def _sim(run: Path, job: str, job_dir: Path, sites: int, root: Path, period: float) -> tuple[float, list]:
+    from pflseg.deploy.simulator import run_simulator
+    from pflseg.deploy.workspace import server_state
+
+    t0 = time.monotonic()
+    with RoundTrace(named(run / "sim"), rounds_done(server_state(run, job)), period) as trace:
+        run_simulator(job_dir, run, n_sites=sites, data=root, progress=lambda m: None)
+    return time.monotonic() - t0, trace.trace
+
+
+def _poc(run: Path, job: str, job_dir: Path, sites: int, root: Path, period: float) -> tuple[float, list]:
+    from pflseg.deploy.poc import PocFederation
+    from pflseg.deploy.submit import submit
+
+    fed = PocFederation(run / "poc", n_sites=sites, progress=lambda m: None)
+    fed.provision({"data": str(root)})
+    try:
+        fed.start()
+        fed.wait_connected()
+        t0 = time.monotonic()
+        state = fed.kit(fed.server()) / "pflseg_state" / job  # a deployed server's state (``pflseg.flare.state``)
+        with RoundTrace(participants(fed), rounds_done(state), period) as trace:
+            results = submit(job_dir, fed.admin_kit(), out=run / "results", progress=lambda m: None)
+        if results.get("status") != "FINISHED:COMPLETED":
+            raise RuntimeError(f"soak: {job} in the POC ended {results.get('status')}; see {run / 'results'}")
+        return time.monotonic() - t0, trace.trace
+    finally:
+        fed.stop()
 
 
 def to_markdown(result: dict) -> str:
@@ -112,7 +162,8 @@ def to_markdown(result: dict) -> str:
              "-" if p["growth_mib_per_round"] is None else f"{p['growth_mib_per_round']:+.2f}",
              "yes" if p["passes"] else "**no**"]
             for job, run in result["jobs"].items() for part, p in run["processes"].items()]
-    head = (f"Memory over {result['rounds']} rounds ({result['sites']} sites, {result['size']} px, FLARE's simulator): "
+    where = "a loopback POC" if result.get("env") == "poc" else "FLARE's simulator"
+    head = (f"Memory over {result['rounds']} rounds ({result['sites']} sites, {result['size']} px, {where}): "
             f"per process, its PSS (median of each round's samples, every {result['period']:g} s) after round "
             f"{result['warmup']} and at the end, and the least-squares growth per round after round "
             f"{result['warmup']}; "
@@ -125,6 +176,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--soak-methods", nargs="+", metavar="JOB",
                         help="jobs to soak (default: the reference job and the registry's soak methods)")
     parser.add_argument("--soak-rounds", type=int, metavar="N", help=f"rounds (default {DEFAULTS['rounds']})")
+    parser.add_argument("--soak-env", choices=ENVS, default="sim",
+                        help="where the jobs run: sim (FLARE's simulator, default) or poc (a loopback POC federation)")
 
 
 def name_defaults(parser: argparse.ArgumentParser) -> None:
@@ -135,7 +188,7 @@ def name_defaults(parser: argparse.ArgumentParser) -> None:
 
 
 def report(workspace: str | Path | None = None, soak_methods=None, soak_rounds=None, sites=None, size=None,
-           **_) -> str:
+           soak_env="sim", **_) -> str:
     """``pflseg report soak``: ``soak`` in ``workspace`` (default ``runs/soak``); its Markdown."""
-    return to_markdown(soak(workspace or "runs/soak", soak_methods or default_jobs(),
-                            sites or DEFAULTS["sites"], soak_rounds or DEFAULTS["rounds"], size or DEFAULTS["size"]))
+    return to_markdown(soak(workspace or "runs/soak", soak_methods or default_jobs(), sites or DEFAULTS["sites"],
+                            soak_rounds or DEFAULTS["rounds"], size or DEFAULTS["size"], env=soak_env))

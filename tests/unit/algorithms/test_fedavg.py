@@ -40,3 +40,21 @@ def test_dtype_mismatch_names_the_key_instead_of_following_the_first_state(other
         weighted_average([{"w": torch.ones(2)}, {"w": torch.ones(2, dtype=other)}], [1, 1])
     with pytest.raises(ValueError, match=r"'w'.*dtype"):
         weighted_average([{"w": torch.ones(2, dtype=other)}, {"w": torch.ones(2)}], [1, 1])
+
+
+def test_the_blocked_average_is_the_whole_tensor_float64_average_bit_for_bit():
+    """weighted_average works BLOCK elements at a time; across 2.5 blocks, a 0-d tensor and an integer buffer it
+    equals acc = sum_k p_k * float64(w_k) over whole tensors, in site order, cast back: bit for bit."""
+    from pflseg.algorithms.fedavg import BLOCK
+
+    torch.manual_seed(0)
+    states = [{"w": torch.randn(int(2.5 * BLOCK)), "s": torch.randn(()), "n": torch.tensor(7 + k)} for k in range(3)]
+    weights = [3.0, 1.0, 2.0]
+    out = weighted_average(states, weights)
+    p = normalized_weights(weights)
+    for key, ref in states[0].items():
+        acc = torch.zeros(ref.shape, dtype=torch.float64)
+        for pk, s in zip(p, states):
+            acc += s[key].double() * pk
+        expect = acc.to(ref.dtype) if ref.is_floating_point() else acc.round().to(ref.dtype)
+        assert out[key].dtype == ref.dtype and out[key].shape == ref.shape and torch.equal(out[key], expect), key

@@ -178,10 +178,10 @@ def test_update_norms_are_against_what_was_sent():
 
 
 def test_squared_norm_block_by_block_is_the_whole_tensors_float64_sum():
-    """squared_norm sums NORM_BLOCK elements at a time; over 3.5 blocks it is the one-temporary float64 sum up to
+    """squared_norm sums BLOCK elements at a time; over 3.5 blocks it is the one-temporary float64 sum up to
     rounding order, a 1e30 update stays finite, and a tensor of one block is that sum exactly."""
     torch.manual_seed(0)
-    base = torch.randn(int(3.5 * robust.NORM_BLOCK))
+    base = torch.randn(int(3.5 * robust.BLOCK))
     value = base + 1e-3 * torch.randn_like(base)
     whole = float(((value.double() - base.double()) ** 2).sum())
     assert math.isclose(robust.squared_norm(value, base), whole, rel_tol=1e-12)

@@ -75,7 +75,11 @@ def _built_kits(tmp_path, **args):
             res = {"format_version": 2, "snapshot_persistor": {"args": {"storage": {"args": {"root_dir": "/tmp"}}}},
                    "components": [{"id": "job_manager", "args": {"uri_root": "/tmp"}}]}
         (local / "resources.json.default").write_text(json.dumps(res))
-    ctx = SimpleNamespace(get_local_dir=lambda p: str(tmp_path / p.name / "local"))
+        (tmp_path / p.name / "startup").mkdir()
+        (tmp_path / p.name / "startup" / "sub_start.sh").write_text("#!/usr/bin/env bash\nexec python3 -m x\n")
+    ctx = SimpleNamespace(get_local_dir=lambda p: str(tmp_path / p.name / "local"),
+                          get_kit_dir=lambda p: str(tmp_path / p.name / "startup"),
+                          get={"admin_port": 8003, "fed_learn_port": 8002}.get)
     PflsegBuilder(storage_root=str(tmp_path / "storage"), **args).build(
         SimpleNamespace(get_server=lambda: server, get_clients=lambda: clients), ctx)
     return project, server, clients

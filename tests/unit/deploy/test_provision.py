@@ -47,3 +47,9 @@ def test_no_kits_internal_listener_can_take_the_servers_port(tmp_path):
         assert internal["scheme"] == "tcp" and internal["resources"]["host"] == "localhost"
         ports = [p for r in parse_port_list(internal["resources"]["ports"]) for p in r]
         assert 38103 not in ports and len(ports) == len(set(ports)) == 65535 - 1025
+    # the server's processes (not the sites') get a fixed mmap threshold, before the server starts
+    export = 'export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-131072}"'
+    server = (kits / "localhost" / "startup" / "sub_start.sh").read_text()
+    assert server.startswith("#!") and export in server.splitlines()[1]
+    assert server.index(export) < server.index("server_train")
+    assert export not in (kits / "site-1" / "startup" / "sub_start.sh").read_text()

@@ -31,3 +31,23 @@ def test_the_round_a_sample_belongs_to_is_the_newest_checkpoint(tmp_path):
     for r in (1, 2, 12):
         (tmp_path / f"round_{r:04d}.pt").write_bytes(b"")
     assert newest() == 12
+
+
+def test_a_federations_processes_are_its_participants_and_their_job_processes():
+    """The POC soak samples each participant's process by its name and what it started as '<name> job'."""
+    import os
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from pflseg.eval.soak import participants
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        fed = SimpleNamespace(pids={"server": os.getpid(), "site-1": 2**22 + 12345})  # site-1: no such process
+        labels = {proc.pid: label for proc, label in participants(fed)()}
+        assert labels[os.getpid()] == "server" and labels[child.pid] == "server job"
+        assert "site-1" not in labels.values()
+    finally:
+        child.kill()
+        child.wait()
