@@ -1,15 +1,16 @@
 """Issue 39's measured attack table, in real FLARE simulator runs: honest sites' test Dice with one lying site.
 
 For FedAvg (attacks ``scaled``, ``flipped``, ``fixed``: issue 39 F1) and GRACE (``scaled``: F6, aligned) on the demo
-preset's three inside sites (``pflseg.data.synth.PRESETS["demo"]``, seeds as given), each attack runs with site-3
-(the smallest site) as the liar (tests/integration/evil/sitecustomize.py: its true update x 99, x -99 or a fixed
+preset's three inside sites (``pflseg.data.synth.PRESETS["demo"]``, seeds as given; ``--inside 5``: ``DEMO5``, the
+bench's five inside sites at the demo's size), each attack runs with the last, smallest site (site-3; site-5) as the
+liar (tests/integration/evil/sitecustomize.py: its true update x 99, x -99 or a fixed
 direction of 99x its norm, and n_k 99x its honest value) next to the honest run of the same seed, with the job
 defaults (``robust``: clip 3, n_k cap 6, norm bound 100; min_clients 2: a refused liar is left out, the job goes
 on) and the demo's training settings (``pflseg.eval.demo.SETTINGS``). The runs are ``pflseg bench``'s
 (``Bench.run``: one at a time, read back when finished with the same settings, resumed when stopped). Writes
 ``<workspace>/attack_dice.md`` (and .json)::
 
-    OMP_NUM_THREADS=1 python -m tests.integration.attack_dice --workspace DIR --seeds 0 1 --rounds 10
+    OMP_NUM_THREADS=1 python -m tests.integration.attack_dice --workspace DIR --seeds 0 1 --rounds 10 [--inside 5]
 """
 
 from __future__ import annotations
@@ -23,12 +24,19 @@ from pathlib import Path
 
 from pflseg.config import parse_set
 from pflseg.data import load_dataset_info, make_synthetic
+from pflseg.data.synth import PRESETS
 from pflseg.eval.bench import Bench
 from pflseg.eval.demo import SETTINGS
 
 EVIL = Path(__file__).resolve().parent / "evil"
-LIAR, HONEST = "site-3", ("site-1", "site-2")
-SITES = [*HONEST, LIAR]
+#: K = 5: the bench preset's five inside sites at the demo's size and splits (training cases 12 / 6 / 3 / 3 / 2)
+DEMO5 = {**PRESETS["demo"], "inside": tuple({**site, "split": (n_train, 2, 5)}
+                                            for site, n_train in zip(PRESETS["bench"]["inside"], (12, 6, 3, 3, 2)))}
+
+
+def roles(inside: int = 3) -> tuple[str, list[str]]:
+    """The liar (the last, smallest inside site) and the honest sites of a federation of ``inside`` sites."""
+    return f"site-{inside}", [f"site-{i}" for i in range(1, inside)]
 #: method (job) -> the attacks run against it, besides the honest run
 ATTACKS = {"fedavg": ("scaled", "flipped", "fixed"), "grace": ("scaled",)}
 LABELS = {"fedavg": "FedAvg", "grace": "GRACE", "scaled": "scaled 99x, n_k 99x (F1/F6)",
@@ -43,21 +51,21 @@ class AttackBench(Bench):
         return {**super().job_overrides(seed, fold, job), "min_clients": 2}
 
 
-def data_root(workspace: Path, seed: int) -> Path:
-    root = workspace / "data" / f"seed{seed}"
+def data_root(workspace: Path, seed: int, inside: int = 3) -> Path:
+    root = workspace / "data" / (f"seed{seed}" if inside == 3 else f"k{inside}_seed{seed}")
     if not (root / "dataset.json").is_file():
-        make_synthetic(root, preset="demo", seed=seed)
+        make_synthetic(root, preset="demo" if inside == 3 else DEMO5, seed=seed)
     return root
 
 
-def liar_env(attack: str | None, factor: float = 99.0) -> None:
-    """This process's environment for the next run (the simulator's processes inherit it): ``attack`` at site-3 with
+def liar_env(attack: str | None, factor: float = 99.0, liar: str = "site-3") -> None:
+    """This process's environment for the next run (the simulator's processes inherit it): ``attack`` at ``liar`` with
     its update x ``factor``, or an honest run (None)."""
     for key in ("PFLSEG_TEST_EVIL_SITE", "PFLSEG_TEST_EVIL_ATTACK", "PFLSEG_TEST_EVIL_FACTOR"):
         os.environ.pop(key, None)
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(EVIL)]
     if attack is not None:
-        os.environ.update(PFLSEG_TEST_EVIL_SITE=LIAR, PFLSEG_TEST_EVIL_ATTACK=attack,
+        os.environ.update(PFLSEG_TEST_EVIL_SITE=liar, PFLSEG_TEST_EVIL_ATTACK=attack,
                           PFLSEG_TEST_EVIL_FACTOR=str(factor))
         paths.insert(0, str(EVIL))
     if paths:
@@ -67,19 +75,20 @@ def liar_env(attack: str | None, factor: float = 99.0) -> None:
 
 
 def run(workspace: Path, job: str, attack: str | None, seed: int, rounds: int, table_only: bool = False,
-        sets: dict | None = None, factor: float = 99.0) -> dict | None:
+        sets: dict | None = None, factor: float = 99.0, inside: int = 3) -> dict | None:
     """One simulator run (read back when it finished earlier): the summary of its results.json; with ``table_only``
     a run that did not finish earlier is not run (None). ``sets``: more job overrides (``--set``, e.g. robust.clip)."""
-    root = data_root(workspace, seed)
+    liar, honest = roles(inside)
+    root = data_root(workspace, seed, inside)
     settings = {k: v for k, v in SETTINGS.items() if k != "privacy"}
     overrides = {**settings, "data": {"size": load_dataset_info(root)["train_size"]}}
     for section, value in (sets or {}).items():  # --set keys beside (or inside) the demo's settings
         overrides[section] = {**overrides.get(section, {}), **value} if isinstance(value, dict) else value
     bench = AttackBench(workspace / (attack or "honest"), data=root, methods=[job], seeds=[seed], rounds=rounds,
-                  sites=SITES, outside=False, overrides=overrides, preset=None, progress=print)
+                  sites=[*honest, liar], outside=False, overrides=overrides, preset=None, progress=print)
     if table_only and not bench.finished(seed, "inside", job):
         return None
-    liar_env(attack, factor)
+    liar_env(attack, factor, liar)
     try:
         res = bench.run(seed, "inside", job)
     finally:
@@ -87,12 +96,12 @@ def run(workspace: Path, job: str, attack: str | None, seed: int, rounds: int, t
     record = json.loads((bench.run_dir(seed, "inside", job) / "run.json").read_text())
     wall = (datetime.fromisoformat(record["finished"]) - datetime.fromisoformat(record["started"])).total_seconds()
     history = res.get("history", [])
-    liar = [(h.get("site_metrics") or {}).get(LIAR, {}) for h in history]
-    return {"dice": {s: res["test"][s]["global"]["dice"] for s in HONEST},
-            "left_out": sum(LIAR not in (h.get("site_metrics") or {}) for h in history),
-            "clipped": sum("update_clipped" in m for m in liar), "capped": sum("n_k_capped" in m for m in liar),
-            "ratio": max((m.get("update_ratio", 0.0) for m in liar), default=0.0),
-            "rounds": len(history), "missing": res.get("missing", {}).get(LIAR), "wall_s": round(wall)}
+    lies = [(h.get("site_metrics") or {}).get(liar, {}) for h in history]
+    return {"dice": {s: res["test"][s]["global"]["dice"] for s in honest},
+            "left_out": sum(liar not in (h.get("site_metrics") or {}) for h in history),
+            "clipped": sum("update_clipped" in m for m in lies), "capped": sum("n_k_capped" in m for m in lies),
+            "ratio": max((m.get("update_ratio", 0.0) for m in lies), default=0.0),
+            "rounds": len(history), "missing": res.get("missing", {}).get(liar), "wall_s": round(wall)}
 
 
 def summary(runs: dict, job: str, attack: str, seeds: list[int]) -> dict:
@@ -102,12 +111,13 @@ def summary(runs: dict, job: str, attack: str, seeds: list[int]) -> dict:
     return {"attacked": att, "honest": hon, "diff": [a - h for a, h in zip(att, hon)]}
 
 
-def to_markdown(runs: dict, seeds: list[int], rounds: int, factor: float = 99.0) -> str:
-    cols = ["method", "liar's attack (site-3)"]
+def to_markdown(runs: dict, seeds: list[int], rounds: int, factor: float = 99.0, inside: int = 3) -> str:
+    liar, honest = roles(inside)
+    cols = ["method", f"liar's attack ({liar})"]
     cols += [f"seed {s}: attacked / honest" for s in seeds]
     cols += ["mean attacked / honest", "paired diff (mean; per seed)", "liar left out (rounds)",
              "liar clipped (rounds)", "liar n_k capped (rounds)", "liar's largest update ratio (accepted rounds)",
-             "missing (site-3)"]
+             f"missing ({liar})"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for job, attacks in ATTACKS.items():
         for attack in attacks:
@@ -125,8 +135,8 @@ def to_markdown(runs: dict, seeds: list[int], rounds: int, factor: float = 99.0)
                       " / ".join(f"{p['ratio']:.1f}x" if p["ratio"] else "-" for p in per),
                       " / ".join(p["missing"] or "-" for p in per)]
             lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + (f"\n\nHonest sites: {', '.join(HONEST)} (test Dice of the global model, mean of the "
-                               f"two); {rounds} rounds; seeds {', '.join(map(str, seeds))}; per-seed cells "
+    return "\n".join(lines) + (f"\n\nHonest sites: {', '.join(honest)} (test Dice of the global model, mean of the "
+                               f"{len(honest)}); {rounds} rounds; seeds {', '.join(map(str, seeds))}; per-seed cells "
                                "\"seed 0 / seed 1\".\n")
 
 
@@ -140,6 +150,8 @@ def main(argv=None) -> None:
     parser.add_argument("--factor", type=float, default=99.0,
                         help="the liar's update factor (default 99; n_k is declared 99x whatever it is; use a "
                              "workspace per factor)")
+    parser.add_argument("--inside", type=int, choices=(3, 5), default=3,
+                        help="inside sites K: 3 (the demo preset) or 5 (DEMO5); the last one lies (a workspace per K)")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="a job override for every run, e.g. robust.clip=1 (use a workspace per setting)")
     args = parser.parse_args(argv)
@@ -153,15 +165,15 @@ def main(argv=None) -> None:
     plan += [(job, a) for job in args.methods for a in ATTACKS[job][1:]]
     for job, attack in plan:
         for seed in args.seeds:
-            out = run(ws, job, attack, seed, args.rounds, args.table_only, sets, args.factor)
+            out = run(ws, job, attack, seed, args.rounds, args.table_only, sets, args.factor, args.inside)
             if out is None:
                 continue
             runs[(job, attack, seed)] = out
             print(f"{job} {attack or 'honest'} seed {seed}: {json.dumps(out)}", flush=True)
             (ws / "attack_dice.json").write_text(json.dumps(
                 {f"{j}/{a or 'honest'}/{s}": v for (j, a, s), v in runs.items()}, indent=1))
-            (ws / "attack_dice.md").write_text(to_markdown(runs, args.seeds, args.rounds, args.factor))
-    print(to_markdown(runs, args.seeds, args.rounds, args.factor))
+            (ws / "attack_dice.md").write_text(to_markdown(runs, args.seeds, args.rounds, args.factor, args.inside))
+    print(to_markdown(runs, args.seeds, args.rounds, args.factor, args.inside))
 
 
 if __name__ == "__main__":
