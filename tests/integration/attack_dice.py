@@ -146,6 +146,8 @@ def main(argv=None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--methods", nargs="+", default=list(ATTACKS), choices=list(ATTACKS))
+    parser.add_argument("--attacks", nargs="+", choices=sorted({a for v in ATTACKS.values() for a in v}),
+                        help="only these attacks (default: each method's, ATTACKS); the honest runs always")
     parser.add_argument("--table-only", action="store_true", help="run nothing: the table of the finished runs")
     parser.add_argument("--factor", type=float, default=99.0,
                         help="the liar's update factor (default 99; n_k is declared 99x whatever it is; use a "
@@ -161,8 +163,9 @@ def main(argv=None) -> None:
     runs: dict = {}
     # every method's first attack and honest run before the other attacks (the first attack before the honest run:
     # the injection is seen to work early)
-    plan = [(job, a) for job in args.methods for a in (ATTACKS[job][0], None)]
-    plan += [(job, a) for job in args.methods for a in ATTACKS[job][1:]]
+    attacks = {job: [a for a in ATTACKS[job] if not args.attacks or a in args.attacks] for job in args.methods}
+    plan = [(job, a) for job in args.methods for a in (*attacks[job][:1], None)]
+    plan += [(job, a) for job in args.methods for a in attacks[job][1:]]
     for job, attack in plan:
         for seed in args.seeds:
             out = run(ws, job, attack, seed, args.rounds, args.table_only, sets, args.factor, args.inside)
