@@ -317,6 +317,10 @@ def validate(cfg: Mapping, source: str = "config") -> None:
     if not 0.0 <= robust["trim"] < 0.5:
         raise ConfigError(f"{source}: robust.trim must lie in [0, 0.5) (the fraction dropped at each end), got "
                           f"{robust['trim']}")
+    if isinstance(robust["median_rounds"], bool) or not (isinstance(robust["median_rounds"], int)
+                                                         and robust["median_rounds"] >= 0):
+        raise ConfigError(f"{source}: robust.median_rounds must be an integer >= 0 (the first rounds aggregated by the "
+                          f"median; 0 = none), got {robust['median_rounds']!r}")
     for key in ("n_k_ratio", "norm_ratio", "clip"):
         if not (robust[key] == 0 or 1.0 <= robust[key] <= 1e12):
             raise ConfigError(f"{source}: robust.{key} must be 0 (no bound) or in [1, 1e12] (a multiple of the other "

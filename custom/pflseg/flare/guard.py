@@ -48,14 +48,18 @@ N_K = FLMetaKey.NUM_STEPS_CURRENT_ROUND
 NOT_PER_TENSOR = (MOMENT + ".",)
 
 
-def robust_args(cfg: dict) -> dict:
-    """``{"rule", "trim"}`` of the job's ``robust`` section, for the aggregation functions."""
-    return {"rule": cfg["robust"]["aggregation"], "trim": cfg["robust"]["trim"]}
+def robust_args(cfg: dict, r: int | None = None) -> dict:
+    """``{"rule", "trim"}`` of the job's ``robust`` section, for the aggregation functions; in round ``r`` (from 0)
+    below ``robust.median_rounds`` the rule is ``median``."""
+    robust = cfg["robust"]
+    first = r is not None and r < robust.get("median_rounds", 0)
+    return {"rule": "median" if first else robust["aggregation"], "trim": robust["trim"]}
 
 
-def aggregate(cfg: dict, states, weights, keys=None) -> dict:
-    """The job's aggregation rule over ``states`` (``pflseg.algorithms.robust.aggregate``)."""
-    return robust_aggregate(states, weights, keys, **robust_args(cfg))
+def aggregate(cfg: dict, states, weights, keys=None, r: int | None = None) -> dict:
+    """The job's aggregation rule (in round ``r``: ``robust_args``) over ``states``
+    (``pflseg.algorithms.robust.aggregate``)."""
+    return robust_aggregate(states, weights, keys, **robust_args(cfg, r))
 
 
 def screen(ctrl, task: str, payloads: dict, usable: dict, reference: dict | None) -> None:

@@ -107,6 +107,24 @@ def test_median_aggregation_and_selection_ignore_one_site(tmp_path, monkeypatch)
     assert ctrl.state.best["score"] == pytest.approx(0.4)  # the median of 0.3, 0.4, 1.0
 
 
+def test_the_first_median_rounds_aggregate_by_the_median_the_later_ones_by_the_mean(tmp_path, monkeypatch):
+    """robust.median_rounds 1: round 1 (r = 0) is the coordinate-wise median whatever the weights, round 2 the
+    n_k-weighted mean again, exactly FedAvg's."""
+    from pflseg.algorithms.fedavg import weighted_average
+
+    ctrl = make("fedavg", tmp_path, monkeypatch, robust={"median_rounds": 1})
+    Stub(ctrl, honest)
+    g0 = dict(ctrl.state.global_state)
+    ctrl.round(0)
+    key = key_of(g0)
+    assert torch.allclose(ctrl.state.global_state[key], g0[key] * 1.02, atol=1e-6)  # site-2's, the middle one
+    g1 = dict(ctrl.state.global_state)
+    ctrl.round(1)
+    answers = [scaled(g1, 1 + 0.01 * STEP[s]) for s in N]
+    mean = weighted_average(answers, list(N.values()))
+    assert all(torch.equal(ctrl.state.global_state[k], mean[k]) for k in ctrl.shared_keys())
+
+
 def test_trimmed_mean_drops_the_extremes_of_five_sites(tmp_path, monkeypatch):
     ctrl = make("fedavg", tmp_path, monkeypatch, robust={"aggregation": "trimmed_mean", "trim": 0.2})
     ctrl.sites = [f"site-{i}" for i in range(1, 6)]
@@ -261,7 +279,9 @@ def test_a_site_refuses_a_non_finite_received_model_naming_the_key(tmp_path):
                                            ({"trim": 0.5}, "robust.trim"),
                                            ({"n_k_ratio": 0.5}, "robust.n_k_ratio"),
                                            ({"norm_ratio": -1.0}, "robust.norm_ratio"),
-                                           ({"clip": 0.5}, "robust.clip")])
+                                           ({"clip": 0.5}, "robust.clip"),
+                                           ({"median_rounds": -1}, "robust.median_rounds"),
+                                           ({"median_rounds": 1.5}, "robust.median_rounds")])
 def test_robust_config_is_checked(robust, match):
     with pytest.raises(ConfigError, match=match):
         load_job_config("fedavg", overrides={"robust": robust})

@@ -33,4 +33,4 @@ class FedAvgController(RoundController):
         the round's entries: none)."""
         states = [unprefixed(GLOBAL, res.params) for res in results.values()]
         weights = [res.meta[FLMetaKey.NUM_STEPS_CURRENT_ROUND] for res in results.values()]
-        return {**state, **guard.aggregate(self.cfg, states, weights, self.shared_keys())}, {}
+        return {**state, **guard.aggregate(self.cfg, states, weights, self.shared_keys(), r)}, {}

@@ -243,7 +243,8 @@ class FedSMController(FedSMSection, RoundController):
         """The new global model: w_g <- sum_k p_k w_g,k over every key (or ``robust.aggregation``'s rule), so no key
         of the current ``state`` stays. Returns (the new global model, the round's entries: none)."""
         weights = [res.meta[FLMetaKey.NUM_STEPS_CURRENT_ROUND] for res in results.values()]
-        return guard.aggregate(self.cfg, [unprefixed(GLOBAL, res.params) for res in results.values()], weights), {}
+        return guard.aggregate(self.cfg, [unprefixed(GLOBAL, res.params) for res in results.values()], weights,
+                               r=r), {}
 
     def fit_selector(self, results: dict, selector: dict, moments: dict, lda_stats: dict) -> tuple[dict, dict, dict]:
         """The new selector from the sites' answers and the current ``selector``, its Adam ``moments`` and each

@@ -52,7 +52,8 @@ class GraceController(FedAvgController):
         weights = [res.meta[FLMetaKey.NUM_STEPS_CURRENT_ROUND] for res in results.values()]
         new, info = grace_step(
             state, states, weights, eta_g=grace["eta_g"], mode=grace["similarity"],
-            self_mode=grace["self_similarity"], trainable_keys=trainable, buffer_keys=buffers, **robust_args(self.cfg))
+            self_mode=grace["self_similarity"], trainable_keys=trainable, buffer_keys=buffers,
+            **robust_args(self.cfg, r))
         sites = list(results)
         weights_of = dict(zip(sites, info["p_prime"].tolist()))
         self.log_scalars("grace_weight", weights_of, r)

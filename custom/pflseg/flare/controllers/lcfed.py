@@ -104,7 +104,7 @@ class LCFedController(FedAvgController):
         Returns (the new model, the round's entries: none)."""
         keys = self.shared_keys()
         states = [unprefixed(GLOBAL, res.params) for res in results.values()]
-        averaged = average_shared(states, keys, **robust_args(self.cfg))[0]
+        averaged = average_shared(states, keys, **robust_args(self.cfg, r))[0]
         return {**state, **{k: v for k, v in averaged.items() if k in keys}}, {}
 
     def exchange_heads(self, results: dict, payloads: dict, heads: dict) -> tuple[dict, dict]:
