@@ -17,7 +17,7 @@ import subprocess
 from pathlib import Path
 
 from pflseg.deploy.local import LocalFederation
-from pflseg.deploy.provision import free_port, internal_ports, loopback_env, protect_ca_state, server_malloc
+from pflseg.deploy.provision import free_port, keep_internal_off, loopback_env, protect_ca_state, server_malloc
 from pflseg.flare.allowlist import add_to_resources
 from pflseg.flare.state import private_dir
 
@@ -69,9 +69,7 @@ class PocFederation(LocalFederation):
             for res in ("resources.json", "resources.json.default"):
                 if (self.kit(name) / "local" / res).is_file():
                     add_to_resources(self.kit(name) / "local" / res)
-            comm = self.kit(name) / "local" / "comm_config.json"  # internal listeners off the server's port
-            if not comm.exists():
-                comm.write_text(json.dumps(internal_ports(port), indent=2) + "\n")
+            keep_internal_off(self.kit(name) / "local", port)
 
 
 def _edit(path: Path, change) -> None:

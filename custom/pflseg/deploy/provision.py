@@ -140,10 +140,7 @@ class PflsegBuilder(Builder):
             else:
                 _no_log_streaming(resources)
             (local / "authorization.json.default").write_text(policy + "\n")
-            comm = local / "comm_config.json"  # FLARE's StaticFileBuilder writes one for a `listening_host`
-            if not comm.exists():
-                ports = internal_ports(ctx.get(CtxKey.ADMIN_PORT), ctx.get(CtxKey.FED_LEARN_PORT))
-                comm.write_text(json.dumps(ports, indent=2) + "\n")
+            keep_internal_off(local, ctx.get(CtxKey.ADMIN_PORT), ctx.get(CtxKey.FED_LEARN_PORT))
         server_malloc(Path(ctx.get_kit_dir(server)) / "sub_start.sh")
         if self.heart_beat_timeout is not None:
             fed_server = Path(ctx.get_kit_dir(server)) / "fed_server.json"
@@ -169,6 +166,14 @@ def server_malloc(sub_start: Path) -> None:
     if line not in text:
         head, _, rest = text.partition("\n")
         sub_start.write_text(f"{head}\n{line}{rest}" if head.startswith("#!") else line + text)
+
+
+def keep_internal_off(local: Path, *taken: int | None) -> None:
+    """Write ``internal_ports(*taken)`` as a kit's ``local/comm_config.json``, unless the kit has one of its own
+    (FLARE's StaticFileBuilder writes one for a ``listening_host``)."""
+    comm = Path(local) / "comm_config.json"
+    if not comm.exists():
+        comm.write_text(json.dumps(internal_ports(*taken), indent=2) + "\n")
 
 
 def internal_ports(*taken: int | None) -> dict:
