@@ -1,13 +1,14 @@
 """Issue 39's measured attack table, in real FLARE simulator runs: honest sites' test Dice with one lying site.
 
-For FedAvg (attacks ``scaled``, ``flipped``, ``fixed``: issue 39 F1) and GRACE (``scaled``: F6, aligned) on the demo
-preset's three inside sites (``pflseg.data.synth.PRESETS["demo"]``, seeds as given; ``--inside 5``: ``DEMO5``, the
-bench's five inside sites at the demo's size), each attack runs with the last, smallest site (site-3; site-5) as the
-liar (tests/integration/evil/sitecustomize.py: its true update x 99, x -99 or a fixed
-direction of 99x its norm, and n_k 99x its honest value) next to the honest run of the same seed, with the job
-defaults (``robust``: clip 3, n_k cap 6, norm bound 100; min_clients 2: a refused liar is left out, the job goes
-on) and the demo's training settings (``pflseg.eval.demo.SETTINGS``). The runs are ``pflseg bench``'s
-(``Bench.run``: one at a time, read back when finished with the same settings, resumed when stopped). Writes
+For FedAvg and GRACE (attacks ``scaled``, ``flipped``, ``fixed``: issue 39 F1, F6) and FedSM, IOP-FL and LC-Fed
+(``scaled``; their personalized models scored, ``MODEL``) on the demo preset's three inside sites
+(``pflseg.data.synth.PRESETS["demo"]``, seeds as given; ``--inside 5``: ``DEMO5``, the bench's five inside sites at
+the demo's size), each attack runs with the last, smallest site (site-3; site-5) as the liar
+(tests/integration/evil/sitecustomize.py: its true update x 99, x -99 or a fixed direction of 99x its norm, and n_k
+99x its honest value) next to the honest run of the same seed, with the job defaults (``robust``: clip 3, n_k cap
+6, norm bound 100; min_clients 2: a refused liar is left out, the job goes on) and the demo's training settings
+(``pflseg.eval.demo.SETTINGS``). The runs are ``pflseg bench``'s (``Bench.run``: one at a time, read back when
+finished with the same settings, resumed when stopped). Writes
 ``<workspace>/attack_dice.md`` (and .json)::
 
     OMP_NUM_THREADS=1 python -m tests.integration.attack_dice --workspace DIR --seeds 0 1 --rounds 10 [--inside 5]
@@ -38,8 +39,13 @@ def roles(inside: int = 3) -> tuple[str, list[str]]:
     """The liar (the last, smallest inside site) and the honest sites of a federation of ``inside`` sites."""
     return f"site-{inside}", [f"site-{i}" for i in range(1, inside)]
 #: method (job) -> the attacks run against it, besides the honest run
-ATTACKS = {"fedavg": ("scaled", "flipped", "fixed"), "grace": ("scaled",)}
-LABELS = {"fedavg": "FedAvg", "grace": "GRACE", "scaled": "scaled 99x, n_k 99x (F1/F6)",
+ATTACKS = {"fedavg": ("scaled", "flipped", "fixed"), "grace": ("scaled", "flipped", "fixed"),
+           "fedsm": ("scaled",), "iopfl": ("scaled",), "lcfed": ("scaled",)}
+#: method -> the honest sites' model the table scores (results["test"][site][key]): the global model where the method
+#: reports one as its own, else the site's personalized model (FedSM's P_k, IOP-FL's P_k, LC-Fed's calibrated model)
+MODEL = {"fedavg": "global", "grace": "global", "fedsm": "site", "iopfl": "site", "lcfed": "site"}
+LABELS = {"fedavg": "FedAvg", "grace": "GRACE", "fedsm": "FedSM personalized", "iopfl": "IOP-FL P_k",
+          "lcfed": "LC-Fed", "scaled": "scaled 99x, n_k 99x (F1/F6)",
           "flipped": "sign-flipped 99x, n_k 99x (F1)", "fixed": "fixed direction 99x, n_k 99x (F1)"}
 
 
@@ -97,7 +103,7 @@ def run(workspace: Path, job: str, attack: str | None, seed: int, rounds: int, t
     wall = (datetime.fromisoformat(record["finished"]) - datetime.fromisoformat(record["started"])).total_seconds()
     history = res.get("history", [])
     lies = [(h.get("site_metrics") or {}).get(liar, {}) for h in history]
-    return {"dice": {s: res["test"][s]["global"]["dice"] for s in honest},
+    return {"dice": {s: res["test"][s][MODEL[job]]["dice"] for s in honest},
             "left_out": sum(liar not in (h.get("site_metrics") or {}) for h in history),
             "clipped": sum("update_clipped" in m for m in lies), "capped": sum("n_k_capped" in m for m in lies),
             "ratio": max((m.get("update_ratio", 0.0) for m in lies), default=0.0),
@@ -135,7 +141,8 @@ def to_markdown(runs: dict, seeds: list[int], rounds: int, factor: float = 99.0,
                       " / ".join(f"{p['ratio']:.1f}x" if p["ratio"] else "-" for p in per),
                       " / ".join(p["missing"] or "-" for p in per)]
             lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + (f"\n\nHonest sites: {', '.join(honest)} (test Dice of the global model, mean of the "
+    return "\n".join(lines) + (f"\n\nHonest sites: {', '.join(honest)} (test Dice of the model MODEL names: the "
+                               f"global model for FedAvg and GRACE, else the personalized one; mean of the "
                                f"{len(honest)}); {rounds} rounds; seeds {', '.join(map(str, seeds))}; per-seed cells "
                                "\"seed 0 / seed 1\".\n")
 
