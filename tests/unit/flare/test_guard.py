@@ -14,6 +14,7 @@ from pflseg.flare.state import prefixed, unprefixed
 from tests.unit.flare.controllers.conftest import BATCH, Stub, make, models_of, scaled
 
 N = {"site-1": 10, "site-2": 120, "site-3": 60}  # 12:1 between honest sites, as on the synthetic data
+MEAN = {"median_rounds": 0}  # round 1 by the weighted mean, as in every later round (the default 1 is the median)
 STEP = {"site-1": 1.0, "site-2": 2.0, "site-3": 3.0}  # honest updates: the global model scaled by 1 + 0.01 * STEP
 
 
@@ -36,7 +37,7 @@ def evil(data):
 
 
 def test_honest_sites_12_to_1_are_neither_capped_nor_left_out(tmp_path, monkeypatch):
-    ctrl = make("fedavg", tmp_path, monkeypatch)
+    ctrl = make("fedavg", tmp_path, monkeypatch, robust=MEAN)
     g0 = dict(ctrl.state.global_state)
     Stub(ctrl, honest)
     out = ctrl.round(0)
@@ -48,7 +49,7 @@ def test_honest_sites_12_to_1_are_neither_capped_nor_left_out(tmp_path, monkeypa
 
 
 def test_a_1e30_site_with_n_k_1e6_is_left_out_and_cannot_pick_the_best_round(tmp_path, monkeypatch):
-    ctrl = make("fedavg", tmp_path, monkeypatch)
+    ctrl = make("fedavg", tmp_path, monkeypatch, robust=MEAN)
     g0 = dict(ctrl.state.global_state)
     Stub(ctrl, lambda site, data: evil(data) if site == "site-3" else honest(site, data))
     out = ctrl.round(0)
@@ -62,7 +63,7 @@ def test_a_1e30_site_with_n_k_1e6_is_left_out_and_cannot_pick_the_best_round(tmp
 
 
 def test_a_plausible_update_with_n_k_1e6_is_capped_to_6x_the_others_median(tmp_path, monkeypatch):
-    ctrl = make("fedavg", tmp_path, monkeypatch)
+    ctrl = make("fedavg", tmp_path, monkeypatch, robust=MEAN)
     g0 = dict(ctrl.state.global_state)
 
     def reply(site, data):
@@ -288,7 +289,7 @@ def test_robust_config_is_checked(robust, match):
 
 
 def test_an_update_10x_the_others_is_clipped_to_robust_clip_and_named(tmp_path, monkeypatch):
-    ctrl = make("fedavg", tmp_path, monkeypatch)
+    ctrl = make("fedavg", tmp_path, monkeypatch, robust=MEAN)
     g0 = dict(ctrl.state.global_state)
 
     def reply(site, data):  # site-3: 10 x its honest step, far inside the norm bound (100)
@@ -315,7 +316,7 @@ def test_an_update_10x_the_others_is_clipped_to_robust_clip_and_named(tmp_path, 
 def test_an_honest_round_is_fedavg_bit_for_bit(tmp_path, monkeypatch):
     from pflseg.algorithms.fedavg import weighted_average
 
-    ctrl = make("fedavg", tmp_path, monkeypatch)
+    ctrl = make("fedavg", tmp_path, monkeypatch, robust=MEAN)
     g0 = dict(ctrl.state.global_state)
     Stub(ctrl, honest)
     ctrl.round(0)

@@ -15,8 +15,9 @@ The selector used at inference is the best one by n_k-weighted validation accura
 RECEIVED (each round's, and the final one, scored at every site before it is fitted on), with the
 temperature of lowest summed validation NLL (``best_selector`` in the checkpoints, ``final.pt`` and
 ``results.json``; ``bestselect.*`` its weights). FedSM-extra's selector rounds start a fresh (K+1)-class
-selector and a fresh best. A site that drops out of a round keeps its personalized model unchanged (and it
-still enters the others' SoftPull mix as it was); with ``lda`` its latest statistics stay in the sum. Every
+selector and a fresh best. A site that drops out of a round (or whose answer is refused) keeps its personalized
+model unchanged and stays out of that round's SoftPull mix (lam at least 1 / the sites mixed); with ``lda`` its
+latest accepted statistics stay in the sum. Every
 round's checkpoint holds all K personalized models, the selector, the moments, the statistics and the best
 selector.
 """
@@ -282,12 +283,16 @@ class FedSMController(FedSMSection, RoundController):
         return selector, moments, lda_stats
 
     def softpull_step(self, results: dict, person: dict) -> dict:
-        """SoftPull ({w_p,k} <- SoftPull({w_p,k}, lam)) over the personalized models the sites sent back; a site that
-        did not answer keeps its model ``person[site]`` (and enters the others' mix as it was). Returns the new
-        {site: personalized model}."""
+        """SoftPull ({w_p,k} <- SoftPull({w_p,k}, lam)) over the personalized models the sites sent back this round
+        (lam at least 1 / their number); a site that did not answer, or whose answer was refused, keeps its model
+        ``person[site]`` and stays out of the others' mix (issue 39: a refused site's stale model, its initial one
+        when it never got in, entered every honest site's mix and cost FedSM's honest sites 0.1 of Dice). Returns the
+        new {site: personalized model}."""
         trained = {s: unprefixed(PERSON, res.params) for s, res in results.items()}
-        mixed = softpull([trained.get(s, person[s]) for s in self.sites], self.cfg["fedsm"]["lam"])
-        return {s: (mixed[k] if s in trained else person[s]) for k, s in enumerate(self.sites)}
+        sites = [s for s in self.sites if s in trained]
+        lam = max(self.cfg["fedsm"]["lam"], 1.0 / max(len(sites), 1))
+        mixed = dict(zip(sites, softpull([trained[s] for s in sites], lam))) if sites else {}
+        return {s: mixed.get(s, person[s]) for s in self.sites}
 
     def round(self, r: int) -> RoundOutput:
         if r >= self.cfg["rounds"]:

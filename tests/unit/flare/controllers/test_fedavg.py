@@ -10,7 +10,7 @@ from tests.unit.flare.controllers.conftest import Stub, make, scaled
 def test_fedavg_round_is_the_nk_weighted_mean(tmp_path, monkeypatch):
     """The plain weighted mean (robust.clip off: site-3's update is 4x the others' median, which the default clip at
     3x would cut; tests/unit/flare/test_guard.py covers the clip)."""
-    ctrl = make("fedavg", tmp_path, monkeypatch)
+    ctrl = make("fedavg", tmp_path, monkeypatch, robust={"median_rounds": 0})  # round 1 by the mean too
     ctrl.cfg["robust"]["clip"] = 0
     g0 = dict(ctrl.state.global_state)
     n = {"site-1": 1, "site-2": 1, "site-3": 2}
@@ -31,7 +31,7 @@ def test_fedavg_round_is_the_nk_weighted_mean(tmp_path, monkeypatch):
 
 
 def test_aggregate_returns_the_new_model_and_leaves_the_controllers_alone(tmp_path, monkeypatch):
-    ctrl = make("fedavg", tmp_path, monkeypatch)
+    ctrl = make("fedavg", tmp_path, monkeypatch, robust={"median_rounds": 0})
     g0 = dict(ctrl.state.global_state)
     state = {k: torch.zeros_like(v) for k, v in g0.items()}
     results = {s: FLModel(params=prefixed(GLOBAL, scaled(g0, f)), meta={"NUM_STEPS_CURRENT_ROUND": n})

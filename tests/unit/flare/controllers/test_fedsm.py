@@ -62,12 +62,13 @@ def test_softpull_step_returns_the_new_personalized_models_and_leaves_the_contro
     person = {s: scaled(ctrl.state.global_state, i + 1.0) for i, s in enumerate(ctrl.sites)}
     held = {s: dict(p) for s, p in ctrl.state.person.items()}
     trained = {s: FLModel(params=prefixed(PERSON, scaled(person[s], 2.0))) for s in ("site-1", "site-3")}
-    new = ctrl.softpull_step(trained, person)  # site-2 gave no answer: its model enters the mix as it was
-    expected = softpull([scaled(person["site-1"], 2.0), person["site-2"], scaled(person["site-3"], 2.0)],
-                        ctrl.cfg["fedsm"]["lam"])
+    new = ctrl.softpull_step(trained, person)  # site-2 gave no answer: it keeps its model and stays out of the mix
+    expected = softpull([scaled(person["site-1"], 2.0), scaled(person["site-3"], 2.0)], ctrl.cfg["fedsm"]["lam"])
     key = next(k for k, v in person["site-1"].items() if v.is_floating_point() and v.abs().sum() > 0)
     assert list(new) == ctrl.sites and new["site-2"] is person["site-2"]
-    assert torch.allclose(new["site-1"][key], expected[0][key]) and torch.allclose(new["site-3"][key], expected[2][key])
+    assert torch.allclose(new["site-1"][key], expected[0][key]) and torch.allclose(new["site-3"][key], expected[1][key])
+    alone = ctrl.softpull_step({"site-1": trained["site-1"]}, person)  # one answer: nothing to pull towards
+    assert torch.equal(alone["site-1"][key], scaled(person["site-1"], 2.0)[key]) and alone["site-3"] is person["site-3"]
     assert all(torch.equal(ctrl.state.person[s][k], held[s][k]) for s in held for k in held[s])
 
 
