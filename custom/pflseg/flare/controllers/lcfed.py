@@ -5,7 +5,10 @@ round 0), merges it with its own heads kept on its disk, trains and sends back t
 takes the plain (equal-weight) average. With HC (``lcfed.hc``, method ``lcfed``) each site also sends its
 coarse head, and the next round the server sends every site the coarse heads of all the others for its
 disagreement map: every site's coarse head is shared with every other site (HC's own head never leaves
-its site). The bytes of that head exchange are recorded per round (``head_bytes``). The HC controls
+its site). Only the heads of the sites that answered the latest round are sent: a site left out (refused by
+the guard, or silent) stays out of the others' maps until it answers again, so a head the server accepted
+once from a site it then refuses does not sit in every honest site's calibration for the rest of the job.
+The bytes of that head exchange are recorded per round (``head_bytes``). The HC controls
 ``lcfed.hc_map: zeros | self_uncertainty`` need no other site's head: no head is exchanged. FedRep runs the same
 workflow without HC and site contrast. There is no global model to select: every site selects its own
 model on its validation split.
@@ -73,12 +76,16 @@ class LCFedController(FedAvgController):
                       "site of the job")
         self.head_shape = dict(build_net(self.cfg["net"]).head.state_dict())
         state.add("heads", {}, BY_SITE, HEADS)  # site -> its latest coarse head (weight, bias)
+        state.add("head_sites", None)  # the sites that answered the latest round (None: every head held is sent)
 
     def others_heads(self, site: str) -> dict:
-        """What ``site`` is sent of the other sites' coarse heads (``heads.<other>.*``; none without the exchange)."""
+        """What ``site`` is sent of the other sites' coarse heads (``heads.<other>.*``; none without the exchange):
+        those of the sites that answered the latest round."""
         if not self.shares_heads():
             return {}
-        return by_site(HEADS, {other: head for other, head in self.state.heads.items() if other != site})
+        fresh = self.state.head_sites
+        return by_site(HEADS, {other: head for other, head in self.state.heads.items()
+                               if other != site and (fresh is None or other in fresh)})
 
     def track_best(self, r: int, results: dict, state: dict) -> dict:
         return super().track_best(r, results, {})  # records the sites' validation Dice; no global model to keep
@@ -95,6 +102,7 @@ class LCFedController(FedAvgController):
         self.state.global_state, more = self.aggregate(results, self.state.global_state, r)
         if self.shares_heads():
             self.state.heads, exchanged = self.exchange_heads(results, payloads, self.state.heads)
+            self.state.head_sites = sorted(results)
             more = {**more, **exchanged}
         return RoundOutput.of(results, {**metrics, **more})
 

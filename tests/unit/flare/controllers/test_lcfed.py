@@ -57,6 +57,27 @@ def test_lcfed_averages_the_shared_part_with_pcs_and_routes_the_others_heads(tmp
     assert nbytes({"weight": torch.zeros(1, 4, 1, 1), "bias": torch.zeros(1)}) == 20
 
 
+def test_a_site_left_out_of_a_round_leaves_the_others_maps_until_it_answers_again(tmp_path, monkeypatch):
+    """A head accepted once from a site that is then refused (or silent) is not sent on: only the heads of the
+    latest round's answering sites reach the others."""
+    ctrl = make("lcfed", tmp_path, monkeypatch, **LC)
+    absent = set()
+    stub = Stub(ctrl, lambda site, data: None if site in absent else reply_scaled(site, data))
+    ctrl.round(0)
+    absent.add("site-3")
+    ctrl.round(1)  # site-3 silent: its round-0 head is still held, and not sent in round 2
+    assert "site-3" in ctrl.state.heads and ctrl.state.head_sites == ["site-1", "site-2"]
+    stub.sent.clear()
+    absent.clear()
+    ctrl.round(2)
+    heads_sent = {site: sorted({k.split(".")[1] for k in d.params if k.startswith("heads.")})
+                  for _, site, d in stub.sent}
+    assert heads_sent == {"site-1": ["site-2"], "site-2": ["site-1"], "site-3": ["site-1", "site-2"]}
+    assert ctrl.state.head_sites == ["site-1", "site-2", "site-3"]  # it answered round 2: in the maps again
+    assert sorted({k.split(".")[1] for k in ctrl.final_params("site-1") if k.startswith("heads.")}) == ["site-2",
+                                                                                                   "site-3"]
+
+
 def test_heads_survive_a_resume(tmp_path, monkeypatch):
     ctrl = make("lcfed", tmp_path, monkeypatch, **LC)
     Stub(ctrl, reply_scaled)
@@ -65,6 +86,7 @@ def test_heads_survive_a_resume(tmp_path, monkeypatch):
     again = make("lcfed", tmp_path, monkeypatch, **LC, resume=True)
     assert sorted(again.state.heads) == sorted(FACTOR)
     assert all(torch.equal(again.state.heads[s]["bias"], ctrl.state.heads[s]["bias"]) for s in FACTOR)
+    assert again.state.head_sites == sorted(FACTOR)
 
 
 def test_without_hc_and_for_fedrep_no_head_leaves_a_site(tmp_path, monkeypatch):
