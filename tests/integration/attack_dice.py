@@ -43,10 +43,14 @@ ATTACKS = {"fedavg": ("scaled", "flipped", "fixed"), "grace": ("scaled", "flippe
            "fedsm": ("scaled",), "iopfl": ("scaled",), "lcfed": ("scaled",)}
 #: method -> the honest sites' model the table scores (results["test"][site][key]): the global model where the method
 #: reports one as its own, else the site's personalized model (FedSM's P_k, IOP-FL's P_k, LC-Fed's calibrated model)
+#: controls, run only when named in --attacks: ``dropout``, the liar's path without the lie (honest in round 1, then
+#: refused), which separates the lie's harm from the loss of the liar's data
+CONTROLS = ("dropout",)
 MODEL = {"fedavg": "global", "grace": "global", "fedsm": "site", "iopfl": "site", "lcfed": "site"}
 LABELS = {"fedavg": "FedAvg", "grace": "GRACE", "fedsm": "FedSM personalized", "iopfl": "IOP-FL P_k",
           "lcfed": "LC-Fed", "scaled": "scaled 99x, n_k 99x (F1/F6)",
-          "flipped": "sign-flipped 99x, n_k 99x (F1)", "fixed": "fixed direction 99x, n_k 99x (F1)"}
+          "flipped": "sign-flipped 99x, n_k 99x (F1)", "fixed": "fixed direction 99x, n_k 99x (F1)",
+          "dropout": "control: honest in round 1, then refused"}
 
 
 class AttackBench(Bench):
@@ -126,7 +130,7 @@ def to_markdown(runs: dict, seeds: list[int], rounds: int, factor: float = 99.0,
              f"missing ({liar})"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for job, attacks in ATTACKS.items():
-        for attack in attacks:
+        for attack in attacks + CONTROLS:
             if not all((job, a, s) in runs for a in (None, attack) for s in seeds):
                 continue
             row = summary(runs, job, attack, seeds)
@@ -153,8 +157,10 @@ def main(argv=None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--methods", nargs="+", default=list(ATTACKS), choices=list(ATTACKS))
-    parser.add_argument("--attacks", nargs="+", choices=sorted({a for v in ATTACKS.values() for a in v}),
-                        help="only these attacks (default: each method's, ATTACKS); the honest runs always")
+    parser.add_argument("--attacks", nargs="+",
+                        choices=sorted({a for v in ATTACKS.values() for a in v} | set(CONTROLS)),
+                        help="only these attacks (default: each method's, ATTACKS; CONTROLS only when named); the "
+                        "honest runs always")
     parser.add_argument("--table-only", action="store_true", help="run nothing: the table of the finished runs")
     parser.add_argument("--factor", type=float, default=99.0,
                         help="the liar's update factor (default 99; n_k is declared 99x whatever it is; use a "
@@ -170,7 +176,7 @@ def main(argv=None) -> None:
     runs: dict = {}
     # every method's first attack and honest run before the other attacks (the first attack before the honest run:
     # the injection is seen to work early)
-    attacks = {job: [a for a in ATTACKS[job] if not args.attacks or a in args.attacks] for job in args.methods}
+    attacks = {job: [a for a in ATTACKS[job] + CONTROLS if a in (args.attacks or ATTACKS[job])] for job in args.methods}
     plan = [(job, a) for job in args.methods for a in (*attacks[job][:1], None)]
     plan += [(job, a) for job in args.methods for a in attacks[job][1:]]
     for job, attack in plan:

@@ -9,6 +9,9 @@ $PFLSEG_TEST_EVIL_ATTACK says how (``ATTACKS``):
                         sent as 99 u (issue 39 F1; for GRACE F6, an update aligned with its own)
 ``flipped``             -99 u (F1, sign-flipped)
 ``fixed``               99 ||u|| e, e one unit direction, the same in every round, seed and site (F1, fixed direction)
+``dropout``             a control, not a lie: its first training answer honest, every later one with its n_k
+                        declared 99x (update and metrics honest), so the server refuses it from round 2 on: an honest
+                        site that leaves after round 1, the liar's path without the lie
 
 (99: $PFLSEG_TEST_EVIL_FACTOR, if set.)
 
@@ -24,7 +27,7 @@ import sys
 
 EVIL = os.environ.get("PFLSEG_TEST_EVIL_SITE")
 ATTACK = os.environ.get("PFLSEG_TEST_EVIL_ATTACK", "1e30")
-ATTACKS = ("1e30", "scaled", "flipped", "fixed")
+ATTACKS = ("1e30", "scaled", "flipped", "fixed", "dropout")
 #: the update's factor ($PFLSEG_TEST_EVIL_FACTOR, default 99: below 99 the lie stays further inside the server's
 #: 100x norm bound) and the declared n_k's (always 99)
 FACTOR = float(os.environ.get("PFLSEG_TEST_EVIL_FACTOR", "99"))
@@ -62,11 +65,16 @@ def _patch(module):
     if ATTACK not in ATTACKS:
         raise ValueError(f"PFLSEG_TEST_EVIL_ATTACK={ATTACK!r}: not one of {ATTACKS}")
     real = module.answer
+    answered = []
 
     def answer(name, task, msg, site, job_id=None):
         out, site = real(name, task, msg, site, job_id)
         if name == EVIL and task == "train" and out.params and not out.meta.get("pflseg_error"):
-            if ATTACK == "1e30":
+            answered.append(task)
+            if ATTACK == "dropout":
+                if len(answered) > 1:
+                    out.meta["NUM_STEPS_CURRENT_ROUND"] = int(N_K_FACTOR * out.meta["NUM_STEPS_CURRENT_ROUND"])
+            elif ATTACK == "1e30":
                 out.params = {k: (torch.full_like(v, 1e30) if v.is_floating_point() else v)
                               for k, v in out.params.items()}
                 out.meta["NUM_STEPS_CURRENT_ROUND"] = 1_000_000
