@@ -397,8 +397,9 @@ def norm_outliers(answers: Mapping[str, State], sent: Mapping[str, State], ratio
     for i, site in enumerate(sites):
         med = _median_of_others([whole[s] for s in sites], i)
         if med > 0 and whole[site] > ratio * med:
+            top = max((k for k in per_key if site in per_key[k]), key=lambda k: per_key[k][site])
             out[site] = (f"update norm {whole[site]:.3g} exceeds {ratio:g} x the median of the other sites' "
-                         f"update norms ({med:.3g})")
+                         f"update norms ({med:.3g}); its largest part: '{top}' ({per_key[top][site]:.3g})")
             continue
         for key, by_site in per_key.items():
             if site not in by_site or not _judged(key, site, sent, skip):

@@ -208,8 +208,8 @@ def test_a_1e30_update_is_an_outlier_and_honest_ones_are_not():
     sent = {k: {"w": torch.zeros(3)} for k in "abc"}
     honest = {"a": {"w": torch.tensor([1.0, 0.0, 0.0])}, "b": {"w": torch.tensor([0.0, 12.0, 0.0])}}
     assert norm_outliers({**honest, "c": {"w": torch.tensor([0.0, 0.0, 3.0])}}, sent, 100) == {}
-    out = norm_outliers({**honest, "c": {"w": torch.full((3,), 1e30)}}, sent, 100)
-    assert list(out) == ["c"] and "update norm" in out["c"]
+    out = norm_outliers({**honest, "c": {"w": torch.full((3,), 1e30), "v": torch.ones(2)}}, sent, 100)
+    assert list(out) == ["c"] and "update norm" in out["c"] and "largest part: 'w'" in out["c"]  # names the tensor
     two = norm_outliers({"a": honest["a"], "c": {"w": torch.full((3,), 1e30)}}, sent, 100)  # K = 2
     assert list(two) == ["c"]
     assert norm_outliers({**honest, "c": {"w": torch.full((3,), 1e30)}}, sent, 0) == {}
