@@ -66,6 +66,18 @@ def mixing_matrix(num_sites: int, lam: float) -> torch.Tensor:
     return m
 
 
+def lam_for(lam: float, num_sites: int) -> float:
+    """The lam to mix ``num_sites`` models with, lam having been set for a larger federation.
+
+    The sites that did not answer a round stay out of its mix; over the ``num_sites`` that did, lam is at least
+    1 / ``num_sites``, so that a model keeps at least as much of itself as of any other (``check_lam``'s range);
+    with a single model, 1 (nothing to pull towards).
+    """
+    if isinstance(num_sites, bool) or not isinstance(num_sites, int) or num_sites < 1:
+        raise ValueError(f"K (number of personalized models) must be an int >= 1, got {num_sites!r}")
+    return max(float(lam), 1.0 / num_sites)
+
+
 def softpull(states: Sequence[State], lam: float) -> list[dict]:
     """Apply SoftPull to K personalized states.
 

@@ -11,7 +11,8 @@ $PFLSEG_TEST_EVIL_ATTACK says how (``ATTACKS``):
 ``fixed``               99 ||u|| e, e one unit direction, the same in every round, seed and site (F1, fixed direction)
 ``dropout``             a control, not a lie: its first training answer honest, every later one with its n_k
                         declared 99x (update and metrics honest), so the server refuses it from round 2 on: an honest
-                        site that leaves after round 1, the liar's path without the lie
+                        site that leaves after round 1, the liar's path without the lie (answers counted in the
+                        site's process: a restarted site would start honest again)
 
 (99: $PFLSEG_TEST_EVIL_FACTOR, if set.)
 

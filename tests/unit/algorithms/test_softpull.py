@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from pflseg.algorithms.fedavg import weighted_average
-from pflseg.algorithms.softpull import mixing_matrix, softpull
+from pflseg.algorithms.softpull import check_lam, lam_for, mixing_matrix, softpull
 
 
 def _states():
@@ -105,3 +105,12 @@ def test_mismatched_states_name_the_key():
         softpull([{"w": torch.zeros(1)}, {"w": torch.zeros(2)}], 0.5)
     with pytest.raises(ValueError, match="states"):
         softpull([], 0.5)
+
+
+@pytest.mark.parametrize("lam, k, expected", [(0.3, 3, 1 / 3), (0.3, 2, 0.5), (0.7, 2, 0.7), (0.3, 1, 1.0),
+                                              (0.5, 4, 0.5)])
+def test_lam_for_fewer_sites_is_at_least_one_over_their_number(lam, k, expected):
+    """lam set for a larger federation, mixing the k models that came back: never below 1/k (check_lam's range)."""
+    assert lam_for(lam, k) == pytest.approx(expected) and check_lam(lam_for(lam, k), k) == pytest.approx(expected)
+    with pytest.raises(ValueError, match="K"):
+        lam_for(lam, 0)
