@@ -151,8 +151,52 @@ def _run_locked(job_dir: Path, workspace: Path, n_sites, threads, data, progress
     log_path = workspace / "simulator.log"
     t0 = time.time()
     server_log = workspace / "sim" / "server" / "log.txt"
+    for attempt in range(1, STARTS + 1):
+        proc, peak, lost = _simulate(cmd, env, name, job_dir, n_sites, workspace, log_path, results_path, progress,
+                                     append=attempt > 1)
+        if lost is None:
+            break
+        done = RoundStore(server_state(workspace, name), clean=False).latest()
+        if done is not None or attempt == STARTS:
+            raise RuntimeError(
+                f"job {name}: FLARE's simulator lost a site's worker process ({lost}) "
+                + (f"after round {done + 1}; continue with --resume" if done is not None
+                   else f"while starting it, {STARTS} times")
+                + f"; see {log_path}")
+        progress(f"[{name}] FLARE's simulator lost a site's worker process while starting it ({lost}); nothing had "
+                 f"run yet: starting the job again ({attempt + 1} of {STARTS})")
+    if not results_path.is_file():
+        reason = panic_reason(server_log)
+        raise RuntimeError(
+            f"job {name} did not finish (simulator exit {proc.returncode})"
+            + (f": the server stopped it: {reason}" if reason else "")
+            + f"; see {log_path} and {server_log}"
+        )
+    results = json.loads(results_path.read_text())
+    results["footprint"] = {"wall_seconds": time.time() - t0, "peak_rss_gib": peak.total_rss / GIB}
+    results_path.write_text(json.dumps(results, indent=1, sort_keys=True))
+    finish_record(workspace, record)
+    return results
+
+
+#: starts of a job whose simulator lost a site's worker before any round finished (``LOST``): it starts again
+STARTS = 3
+
+#: FLARE 2.9 simulator lines saying that a site's worker process is gone (its port taken by another process before
+#: the worker bound it, or the worker dead): the server would wait for that site until the task timeout (an hour by
+#: default), so the run is stopped at once instead (``_simulate``). Seen in about 1 run in 50 on a busy machine.
+LOST = ("Communication error with client ", "Subprocess died for client ", "Failed to create connection to the child")
+
+
+def _simulate(cmd: list[str], env: dict, name: str, job_dir: Path, n_sites: int, workspace: Path, log_path: Path,
+              results_path: Path, progress, append: bool = False) -> tuple[subprocess.Popen, MemorySampler, str | None]:
+    """Run the simulator command to its end: (process, memory sampler, None); or stop it whole at a ``LOST`` line
+    before the run's results are written: (process, sampler, that line). SIGINT / SIGTERM stop it whole and raise
+    ``Interrupted``; any other error stops it whole and is raised."""
+    server_log = workspace / "sim" / "server" / "log.txt"
     proc = reader = peak = None
-    with open(log_path, "w", buffering=1) as log_file:  # line-buffered: the log can be followed while it runs
+    # line-buffered: the log can be followed while it runs; a second start appends (the lost start stays readable)
+    with open(log_path, "a" if append else "w", buffering=1) as log_file:
         try:
             with signals_raise():
                 proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -166,6 +210,9 @@ def _run_locked(job_dir: Path, workspace: Path, n_sites, threads, data, progress
                 while proc.poll() is None:
                     if _STOP:  # run_side_by_side was told to stop
                         raise Signalled(_STOP[0])
+                    if seen.lost and not results_path.is_file():
+                        stop_simulator(proc, workspace)
+                        return proc, peak, seen.lost
                     line = seen.heartbeat()  # a word every SILENCE_S of silence: what is running, since when
                     if line:
                         progress(line)
@@ -191,18 +238,7 @@ def _run_locked(job_dir: Path, workspace: Path, n_sites, threads, data, progress
                 reader.join(timeout=30)
             if peak is not None:
                 peak.stop()
-    if not results_path.is_file():
-        reason = panic_reason(server_log)
-        raise RuntimeError(
-            f"job {name} did not finish (simulator exit {proc.returncode})"
-            + (f": the server stopped it: {reason}" if reason else "")
-            + f"; see {log_path} and {server_log}"
-        )
-    results = json.loads(results_path.read_text())
-    results["footprint"] = {"wall_seconds": time.time() - t0, "peak_rss_gib": peak.total_rss / GIB}
-    results_path.write_text(json.dumps(results, indent=1, sort_keys=True))
-    finish_record(workspace, record)
-    return results
+    return proc, peak, None
 
 
 PANIC = "Aborting current RUN due to FATAL_SYSTEM_ERROR received: "
@@ -245,6 +281,7 @@ class Heard:
         self.name, self.rounds, self.n_sites, self.log_path, self.clock = name, rounds, n_sites, log_path, clock
         self.t0 = self.last = self.round_t0 = clock()
         self.walls: list[float] = []
+        self.lost: str | None = None  # the first LOST line: FLARE's simulator lost a site's worker process
 
     def round_done(self, msg: str) -> str:
         """A round line with the ETA of the rounds left."""
@@ -303,6 +340,8 @@ def _relay(stream, log_file, name: str, progress, seen: Heard | None = None) -> 
     try:
         for line in stream:
             log_file.write(line)
+            if seen is not None and seen.lost is None and any(m in line for m in LOST):
+                seen.lost = line.rstrip().split(" - ")[-1][:300]
             if "pflseg" in line or "round " in line and "done" in line or "ERROR" in line or PREFIX in line:
                 msg = line.rstrip().split(" - ")[-1]
                 if "round " in msg and " done in " in msg:
