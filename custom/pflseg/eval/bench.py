@@ -80,6 +80,17 @@ def default_methods() -> tuple[str, ...]:
     return tuple(name for name, entry in METHODS.items() if name in entry.inside)
 
 
+def pools(job: str) -> bool:
+    """Whether ``job``'s training runs in one site process on every site's data (its site class pools the other
+    sites', as Centralized's): the longest chain of work in a bench, as no other process of its run can share it, so
+    the bench starts such runs first (the others then fill the second core beside it instead of leaving it idle at
+    the end)."""
+    from pflseg.flare.sites.base import Site
+
+    site = METHODS[load_job_config(job)["method"]].site
+    return site.pooled_sites is not Site.pooled_sites
+
+
 def diagnostic_jobs() -> dict[str, Callable]:
     """Post-training job -> its diagnostics at an outside site (``Method.diagnostics``), from the registry."""
     return {name: entry.diagnostics for name, entry in METHODS.items() if entry.diagnostics}
@@ -394,9 +405,11 @@ class Bench:
                 how = f"finished earlier ({seconds:.0f} s), read back" if done_before else f"{seconds:.0f} s"
                 self.progress(f"[{steps.finished}/{len(plan)}] {job}: {how}; {len(plan) - steps.finished} left")
 
-            # training runs first, then the post-training runs: queued after every training run, a post-training run
-            # that waits for the run it reads never keeps a training run from starting
-            order = [k for k in plan if k[2] not in self.after] + [k for k in plan if k[2] in self.after]
+            # training runs first, those whose one site trains on every site's data ahead of the others, then the
+            # post-training runs: queued after every training run, a post-training run that waits for the run it
+            # reads never keeps a training run from starting
+            training = sorted((k for k in plan if k[2] not in self.after), key=lambda k: not pools(k[2]))
+            order = training + [k for k in plan if k[2] in self.after]
             run_side_by_side({k: (lambda k=k: one(*k)) for k in order},  # type: ignore[misc]
                              after={k: (k[0], k[1], self.after[k[2]][0]) for k in order if k[2] in self.after},
                              workers=self.jobs)

@@ -251,6 +251,24 @@ def test_runs_side_by_side_run_each_job_once_a_post_training_run_after_its_train
     assert all((bench.run_dir(*key) / "results").is_dir() for key in plan)  # what pflseg run writes, per run
 
 
+def test_a_run_whose_one_site_trains_on_every_sites_data_starts_first(tmp_path, monkeypatch):
+    """Centralized's training is one process (its pooling site); started last, it ran alone on one of the two
+    cores at the end of a bench seed. It now starts first, the other runs filling the second core beside it."""
+    from pflseg.eval import bench as bench_module
+
+    calls = []
+    monkeypatch.setattr(bench_module, "run_simulator", fake_simulator(calls))
+    root = make_synthetic(tmp_path / "root", n_sites=4, cases=3, size=16, depth=2)
+    bench = Bench(tmp_path / "ws", data=root, methods=["local", "fedsm", "centralized"], seeds=[0], holdout=["site-4"],
+                  rounds=1, outside=False, progress=lambda m: None, jobs=1)
+    monkeypatch.setattr(bench, "tables", lambda: None)
+    bench.execute()
+    plan = ["local", "fedsm", "fedsm_infer", "centralized", "centralized_lcnet"]  # the registry's order
+    assert [j for _, _, j in bench.plan()] == plan
+    assert calls == ["centralized", "centralized_lcnet", "local", "fedsm", "fedsm_infer"]
+    assert bench_module.pools("centralized_lcnet") and not bench_module.pools("fedavg")
+
+
 def test_the_inside_table_reads_a_post_training_run_through_its_column(tmp_path, monkeypatch):
     """FedSM's super model comes from the inference job's results, which have no per-site "test" metrics; the
     inference job also reached the outside site, which the inside table leaves out."""
