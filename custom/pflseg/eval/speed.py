@@ -464,8 +464,10 @@ def aggregation_times(jobs: Sequence[str], n_sites: int = 6, repeats: int = 3, n
     the same tensors and beside the guard's bound checks of those updates (``bound_checks``: ``checks_s``,
     ``checks_ratio``), every step and average timed interleaved in one loop (jobs on the same net share the updates),
     so the steps compare with each other too (``vs_first``: the step / the step of the first job that has one,
-    named in ``first``; ``--methods fedavg grace`` gives GRACE's against FedAvg's). A
-    controller without an ``aggregate`` step gets a row with a ``note``."""
+    named in ``first``; ``--methods fedavg grace`` gives GRACE's against FedAvg's). The step is that of round
+    ``robust.median_rounds`` (``round``), the rule of every later round: the rounds before it aggregate by the
+    coordinate-wise median (``pflseg.flare.guard.robust_args``), ~20x a plain average at 8 M parameters, once per
+    job. A controller without an ``aggregate`` step gets a row with a ``note``."""
     import torch
     from nvflare.app_common.abstract.fl_model import FLMetaKey, FLModel
 
@@ -507,10 +509,12 @@ def aggregation_times(jobs: Sequence[str], n_sites: int = 6, repeats: int = 3, n
                 fns[f"plain {key}"] = lambda states=states: plain_weighted_average(states, weights)
                 fns[f"checks {key}"] = lambda g=g, states=states: bound_checks(g, states)
             g, _, results = updates[key]
-            fns[job] = lambda ctrl=ctrl, results=results, g=g: ctrl.aggregate(results, g, 0)
+            # the round every round after robust.median_rounds is (round 0 would time the median of the first rounds)
+            steady = int(ctrl.cfg["robust"].get("median_rounds", 0))
+            fns[job] = lambda ctrl=ctrl, results=results, g=g, r=steady: ctrl.aggregate(results, g, r)
             params = sum(p.numel() for p in build_net(ctrl.cfg["net"]).parameters())
             rows.append({"job": job, "step": f"{ctrl_cls.__name__}.aggregate", "sites": n_sites, "parameters": params,
-                         "net": key, "threads": torch.get_num_threads()})
+                         "net": key, "threads": torch.get_num_threads(), "round": steady})
         t = best_seconds(fns, repeats)
     first = next((row["job"] for row in rows if row.get("step")), None)
     for row in rows:

@@ -12,6 +12,7 @@ import torch
 from nvflare.apis.executor import Executor
 from nvflare.app_common.executors.client_api_executor import ClientAPIExecutor
 
+from pflseg.config import load_job_config
 from pflseg.eval import speed
 
 HISTORY = [  # rounds count from 1, as in results.json; round 1 loads the data: not measured
@@ -108,6 +109,9 @@ def test_aggregation_steps_are_timed_together_against_fedavgs_and_a_plain_averag
         assert rows[job]["vs_first"] == rows[job]["step_s"] / rows["fedavg"]["step_s"]
         assert rows[job]["checks_s"] > 0 and rows[job]["checks_ratio"] == rows[job]["checks_s"] / rows[job]["plain_s"]
     assert rows["fedavg"]["parameters"] == rows["grace"]["parameters"] < rows["lcfed"]["parameters"]
+    # the step every round after robust.median_rounds takes (round 0 timed the first round's median: 20x a plain
+    # average at 8 M parameters, reported as FedAvg's step)
+    assert rows["fedavg"]["round"] == load_job_config("fedavg")["robust"]["median_rounds"] == 1
 
 
 def test_to_markdown_renders_the_rows():
