@@ -85,10 +85,7 @@ def pools(job: str) -> bool:
     sites', as Centralized's): the longest chain of work in a bench, as no other process of its run can share it, so
     the bench starts such runs first (the others then fill the second core beside it instead of leaving it idle at
     the end)."""
-    from pflseg.flare.sites.base import Site
-
-    site = METHODS[load_job_config(job)["method"]].site
-    return site.pooled_sites is not Site.pooled_sites
+    return METHODS[load_job_config(job)["method"]].site.pools()
 
 
 def diagnostic_jobs() -> dict[str, Callable]:

@@ -213,7 +213,7 @@ def plain_equivalent(site_cls) -> str | None:
 
     if site_cls.step is not Site.step:
         return f"its site's round is its own step ({site_cls.__module__}.{site_cls.__qualname__}.step)"
-    if site_cls.pooled_sites is not Site.pooled_sites:
+    if site_cls.pools():
         return "its site pools other sites' data"
     return None
 

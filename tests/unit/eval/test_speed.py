@@ -111,7 +111,7 @@ def test_aggregation_steps_are_timed_together_against_fedavgs_and_a_plain_averag
     assert rows["fedavg"]["parameters"] == rows["grace"]["parameters"] < rows["lcfed"]["parameters"]
     # the step every round after robust.median_rounds takes (round 0 timed the first round's median: 20x a plain
     # average at 8 M parameters, reported as FedAvg's step)
-    assert rows["fedavg"]["round"] == load_job_config("fedavg")["robust"]["median_rounds"] == 1
+    assert rows["fedavg"]["round"] == load_job_config("fedavg")["robust"]["median_rounds"]
 
 
 def test_to_markdown_renders_the_rows():

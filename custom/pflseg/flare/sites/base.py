@@ -154,6 +154,11 @@ class Site:
         """Sites whose training data this site pools (Centralized); None: its own data only."""
         return None
 
+    @classmethod
+    def pools(cls) -> bool:
+        """Whether this method's site may pool other sites' data (its class overrides ``pooled_sites``)."""
+        return cls.pooled_sites is not Site.pooled_sites
+
     # ---- data -----------------------------------------------------------------------------------
     def data(self, split: str, own: bool = False):
         """The site's ``split``; a pooling site (``pooled_sites``) gets every pooled site's training and validation
