@@ -159,11 +159,12 @@ def _run_locked(job_dir: Path, workspace: Path, n_sites, threads, data, progress
         if lost is None:
             break
         done = rounds.latest()  # a round finished in this start: the run went on past its start (resume continues it)
-        if done is not None and (before is None or done > before) or attempt == STARTS:
+        went_on = done is not None and (before is None or done > before)
+        if went_on or attempt == STARTS:
             raise RuntimeError(
                 f"job {name}: FLARE's simulator lost a site's worker process ({lost}) "
-                + (f"while starting it, {STARTS} times" if attempt == STARTS
-                   else f"after round {done + 1}; continue with --resume")
+                + (f"after round {done + 1}; continue with --resume" if went_on
+                   else f"while starting it, {STARTS} times")
                 + f"; see {log_path}")
         progress(f"[{name}] FLARE's simulator lost a site's worker process while starting it ({lost}); nothing had "
                  f"run yet: starting the job again ({attempt + 1} of {STARTS})")
